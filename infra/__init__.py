@@ -1,0 +1,1 @@
+"""How sprawl starts: the local stack, stream and consumer declarations, deployment manifests."""

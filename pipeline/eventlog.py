@@ -1,0 +1,235 @@
+"""The log client: one connection, one append function, claim checks both ways.
+
+`append` is the only way events enter the log. It sets a deterministic
+`Nats-Msg-Id` from the event's business key, so a producer that retries (or
+crashes and re-creates the same event) is deduplicated by JetStream; it
+retries timeouts and no-responders with the same id; and it can fence the
+append with an expected last subject sequence, which is how a policy version
+is made create-only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from dataclasses import dataclass
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+
+from pipeline.blobstore import BlobStore, open_blob_store
+from pipeline.config import LogSettings, NatsSettings, SprawlSettings
+from pipeline.errors import AppendConflict, AppendFailed, PoisonEvent, StreamNotDeclared
+from pipeline.logs import get_logger
+from pipeline.subjects import subject_for
+from schemas import ClaimCheck, Event, EventDecodeError, decode_event, encode_event
+
+log = get_logger(__name__)
+
+# JetStream API error codes we act on (see nats-server's errors.json).
+_ERR_WRONG_LAST_SEQUENCE = 10071
+_ERR_WRONG_LAST_MSG_ID = 10070
+_ERR_NO_STREAM_MATCH = 10060
+
+CLAIM_CHECK_HEADER = "Sprawl-Claim-Check"
+EVENT_TYPE_HEADER = "Sprawl-Event-Type"
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    subject: str
+    stream: str
+    seq: int
+    duplicate: bool
+    """True if JetStream already had this Nats-Msg-Id: nothing new was appended."""
+    claim_checked: bool
+    msg_id: str
+
+
+def default_producer(worker: str) -> str:
+    return f"{worker}/{socket.gethostname()}/{os.getpid()}"
+
+
+async def connect_nats(settings: NatsSettings, name: str) -> NATS:
+    """Connect with unlimited reconnects: a restarted server must not end a worker."""
+    options: dict[str, object] = {
+        "servers": [u.strip() for u in settings.url.split(",")],
+        "name": name,
+        "connect_timeout": settings.connect_timeout_s,
+        "reconnect_time_wait": settings.reconnect_wait_s,
+        "max_reconnect_attempts": -1,
+        "allow_reconnect": True,
+    }
+    if settings.user:
+        options["user"] = settings.user
+        options["password"] = settings.password.get_secret_value() if settings.password else ""
+    if settings.creds_file:
+        options["user_credentials"] = str(settings.creds_file)
+
+    nc = NATS()
+
+    async def on_disconnected() -> None:
+        if not (nc.is_closed or nc.is_draining):
+            log.warning("nats disconnected", url=settings.url)
+
+    async def on_reconnected() -> None:
+        log.info("nats reconnected", url=settings.url)
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats client error", error=str(exc))
+
+    await nc.connect(disconnected_cb=on_disconnected, reconnected_cb=on_reconnected, error_cb=on_error, **options)
+    return nc
+
+
+class EventLog:
+    """Append to and read from the log; holds the NATS connection and the blob store for claim checks."""
+
+    def __init__(self, nc: NATS, blobs: BlobStore | None, settings: LogSettings, producer: str):
+        self.nc = nc
+        self.js = nc.jetstream(timeout=settings.publish_timeout_s)
+        self.blobs = blobs
+        self.settings = settings
+        self.producer = producer
+
+    @classmethod
+    async def connect(cls, settings: SprawlSettings, worker: str) -> EventLog:
+        producer = default_producer(worker)
+        nc = await connect_nats(settings.nats, name=producer)
+        return cls(nc, open_blob_store(settings.blobs), settings.log, producer)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    # ---------------------------------------------------------------- append
+
+    def msg_id(self, event: Event) -> str:
+        return f"{event.run_id}:{event.business_key()}"
+
+    async def append(
+        self,
+        event: Event,
+        *,
+        expected_last_subject_seq: int | None = None,
+        fence_subject: str | None = None,
+        subject: str | None = None,
+    ) -> AppendResult:
+        """Append one event and return where it landed.
+
+        `expected_last_subject_seq` makes the append conditional: JetStream
+        refuses it unless the last message on `fence_subject` (default: the
+        event's own subject; wildcards allowed) has that sequence (0 = none).
+        A refusal raises AppendConflict and is never retried.
+        """
+        subject = subject or subject_for(event)
+        if not event.producer:
+            event = _with_producer(event, self.producer)
+        data = encode_event(event)
+        claim_checked = False
+        headers = {"Nats-Msg-Id": self.msg_id(event), EVENT_TYPE_HEADER: type(event).type_tag()}
+        if len(data) > self.settings.claim_check_threshold_bytes:
+            data = await self._claim_check(event, data)
+            headers[CLAIM_CHECK_HEADER] = "1"
+            claim_checked = True
+        if expected_last_subject_seq is not None:
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_last_subject_seq)
+            if fence_subject is not None:
+                headers["Nats-Expected-Last-Subject-Sequence-Subject"] = fence_subject
+        ack = await self._publish_with_retries(subject, data, headers, expected_last_subject_seq)
+        if ack.duplicate:
+            log.info("append deduplicated", subject=subject, msg_id=headers["Nats-Msg-Id"], stream_seq=ack.seq)
+        return AppendResult(
+            subject=subject, stream=ack.stream, seq=ack.seq, duplicate=bool(ack.duplicate),
+            claim_checked=claim_checked, msg_id=headers["Nats-Msg-Id"],
+        )
+
+    async def _claim_check(self, event: Event, data: bytes) -> bytes:
+        """Blob first, event second: the pointer is only published once the blob is durable."""
+        if self.blobs is None:
+            raise AppendFailed(
+                f"event {event.event_id} is {len(data)} bytes, above the claim-check threshold, "
+                "and this log has no blob store",
+                hint="open the EventLog with a blob store",
+            )
+        ref = await asyncio.to_thread(self.blobs.put_bytes, data, prefix=f"claims/{event.run_id}")
+        claim = ClaimCheck(
+            run_id=event.run_id, event_id=event.event_id, producer=event.producer,
+            event_type=type(event).type_tag(), uri=ref.uri, sha256=ref.checksum, bytes=ref.bytes,
+        )
+        return encode_event(claim)
+
+    async def _publish_with_retries(
+        self, subject: str, data: bytes, headers: dict[str, str], expected_seq: int | None
+    ):  # noqa: ANN202 - nats-py's PubAck
+        delay = self.settings.publish_backoff_s
+        last_error: Exception | None = None
+        for attempt in range(1, self.settings.publish_attempts + 1):
+            try:
+                return await self.js.publish(subject, data, headers=headers, timeout=self.settings.publish_timeout_s)
+            except nats.js.errors.APIError as exc:
+                if exc.err_code in (_ERR_WRONG_LAST_SEQUENCE, _ERR_WRONG_LAST_MSG_ID):
+                    raise AppendConflict(subject, expected_seq or 0, exc.description or str(exc)) from exc
+                if exc.err_code == _ERR_NO_STREAM_MATCH:
+                    raise StreamNotDeclared(subject) from exc
+                raise AppendFailed(f"JetStream refused the append to {subject}: {exc}") from exc
+            except nats.errors.NoRespondersError as exc:
+                # No stream listens (yet): either it is not declared or the server is restarting.
+                last_error = exc
+            except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError,
+                    nats.errors.ConnectionReconnectingError, nats.errors.OutboundBufferLimitError) as exc:
+                last_error = exc
+            log.warning("append retry", subject=subject, attempt=attempt, error=type(last_error).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+        if isinstance(last_error, nats.errors.NoRespondersError):
+            raise StreamNotDeclared(subject) from last_error
+        raise AppendFailed(
+            f"append to {subject} failed after {self.settings.publish_attempts} attempts: {last_error!r}",
+            hint="is nats-server reachable? the same Nats-Msg-Id makes a later retry safe",
+        ) from last_error
+
+    # ---------------------------------------------------------------- read
+
+    async def resolve(self, data: bytes) -> Event:
+        """Decode a message body, fetching and verifying claim-checked events from the blob store.
+
+        Raises PoisonEvent for anything that can never decode (malformed,
+        unknown type, failed validation, a claim whose blob is corrupt).
+        Transient blob-store errors propagate so the caller retries.
+        """
+        from pipeline.errors import BlobIntegrityError, BlobNotFound
+
+        try:
+            event = decode_event(data)
+        except EventDecodeError as exc:
+            raise PoisonEvent(str(exc), error_class=exc.category) from exc
+        if not isinstance(event, ClaimCheck):
+            return event
+        if self.blobs is None:
+            raise AppendFailed("received a claim-checked event but this log has no blob store")
+        try:
+            body = await asyncio.to_thread(self.blobs.get_bytes, event.uri, expected=event.sha256)
+        except BlobIntegrityError as exc:
+            raise PoisonEvent(str(exc), error_class="claim_check_corrupt") from exc
+        except BlobNotFound as exc:
+            raise PoisonEvent(str(exc), error_class="claim_check_missing") from exc
+        try:
+            inner = decode_event(body)
+        except EventDecodeError as exc:
+            raise PoisonEvent(f"claim-checked body: {exc}", error_class=exc.category) from exc
+        if type(inner).type_tag() != event.event_type or inner.event_id != event.event_id:
+            raise PoisonEvent(
+                f"claim check {event.uri} promised {event.event_type} {event.event_id}, "
+                f"blob holds {type(inner).type_tag()} {inner.event_id}",
+                error_class="claim_check_mismatch",
+            )
+        return inner
+
+
+def _with_producer(event: Event, producer: str) -> Event:
+    import msgspec
+
+    return msgspec.structs.replace(event, producer=producer)

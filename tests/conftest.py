@@ -1,0 +1,39 @@
+"""Fixtures: one real nats-server + SeaweedFS per test session, on free ports, stopped by pid."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra import stack
+from infra.stack import StackSettings
+from infra.streams import apply
+from pipeline.eventlog import EventLog
+from pipeline.logs import configure_logging
+from tests.servers import new_run_id, stack_settings
+
+
+@pytest.fixture(scope="session")
+def stack_session(tmp_path_factory: pytest.TempPathFactory) -> StackSettings:
+    configure_logging("tests", fmt="json", level="WARNING")
+    settings = stack_settings(tmp_path_factory.mktemp("stack"))
+    stack.up(settings)
+    try:
+        yield settings
+    finally:
+        stack.down(settings)
+
+
+@pytest.fixture
+def settings(stack_session: StackSettings) -> StackSettings:
+    """Session stack, fresh run id: tests share servers but never a subject or consumer."""
+    return stack_session.model_copy(update={"run_id": new_run_id()})
+
+
+@pytest.fixture
+async def event_log(settings: StackSettings) -> EventLog:
+    log = await EventLog.connect(settings, worker="test")
+    await apply(log.js, settings.streams, settings.run_id)
+    try:
+        yield log
+    finally:
+        await log.close()

@@ -1,0 +1,1 @@
+"""sprawl's processes: one module per worker, plus the `sprawl` command line."""

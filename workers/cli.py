@@ -1,0 +1,160 @@
+"""`sprawl`: the one console script. Subcommands parse their config before importing anything heavy."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from pathlib import Path
+
+from pipeline.errors import SprawlError
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=None, help="TOML settings file (else SPRAWL_CONFIG)")
+    parser.add_argument("--run", dest="run_id", default=None, help="run id (else SPRAWL_RUN_ID, default 'local')")
+    parser.add_argument("--state-dir", type=Path, default=None, help="state folder (default .sprawl)")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
+    overrides: dict[str, object] = {}
+    if args.run_id:
+        overrides["run_id"] = args.run_id
+    if args.state_dir:
+        overrides["state_dir"] = args.state_dir
+    return overrides
+
+
+def _stack_settings(args: argparse.Namespace):  # noqa: ANN202
+    from infra.stack import StackSettings
+    from pipeline.config import load_settings
+
+    return load_settings(StackSettings, args.config, **_overrides(args))
+
+
+def _print_stack(st) -> None:  # noqa: ANN001
+    word = "already running" if st.already_running else "up"
+    print(f"stack {word} (state: {st.state_dir})")
+    for name, url in st.endpoints().items():
+        print(f"  {name:<13} {url}")
+    print(f"  {'buckets':<13} {', '.join(st.buckets)}")
+    for server in st.servers:
+        print(f"  {server.name:<13} pid {server.pid}, log {server.log_file}")
+
+
+def cmd_stack(args: argparse.Namespace) -> int:
+    from infra import stack
+
+    settings = _stack_settings(args)
+    if args.action == "up":
+        _print_stack(stack.up(settings))
+    elif args.action == "down":
+        stopped = stack.down(settings)
+        print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+    else:
+        st = stack.status(settings)
+        if st is None:
+            print("stack is not running")
+            return 1
+        _print_stack(st)
+    return 0
+
+
+async def _apply_infra(settings) -> list[str]:  # noqa: ANN001
+    from infra.streams import apply
+    from pipeline.eventlog import connect_nats
+
+    nc = await connect_nats(settings.nats, name="sprawl-infra-apply")
+    try:
+        report = await apply(nc.jetstream(), settings.streams, settings.run_id)
+    finally:
+        await nc.close()
+    return [f"created {x}" for x in report.created] + [f"updated {x}" for x in report.updated] + [
+        f"unchanged {x}" for x in report.unchanged
+    ]
+
+
+def cmd_infra(args: argparse.Namespace) -> int:
+    from pipeline.config import SprawlSettings, load_settings
+
+    settings = load_settings(SprawlSettings, args.config, **_overrides(args))
+    for line in asyncio.run(_apply_infra(settings)):
+        print(line)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Bring the stack up (or reuse it), declare the run's streams, stay up until Ctrl-C."""
+    from infra import stack
+
+    settings = _stack_settings(args)
+    st = stack.up(settings)
+    _print_stack(st)
+    applied = asyncio.run(_apply_infra(settings))
+    print(f"infra: {sum(1 for a in applied if not a.startswith('unchanged'))} declared/updated, "
+          f"{sum(1 for a in applied if a.startswith('unchanged'))} unchanged (run {settings.run_id})")
+    if args.detach:
+        return 0
+    print("stack is up; Ctrl-C stops it" if not st.already_running else "Ctrl-C exits (the stack was already running and stays up)")
+    stop = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    while not stop:
+        signal.pause() if hasattr(signal, "pause") else None
+    if not st.already_running:
+        print("stopping: " + ", ".join(stack.down(settings)))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from workers.bench import run_bench
+
+    return run_bench(args.name, quick=args.quick, as_json=args.json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sprawl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_stack = sub.add_parser("stack", help="the local nats-server + SeaweedFS stack")
+    p_stack.add_argument("action", choices=["up", "down", "status"])
+    _common(p_stack)
+    p_stack.set_defaults(func=cmd_stack)
+
+    p_up = sub.add_parser("up", help="stack up, streams declared, stays up until Ctrl-C")
+    p_up.add_argument("--detach", action="store_true", help="return once the stack is up")
+    _common(p_up)
+    p_up.set_defaults(func=cmd_up)
+
+    p_infra = sub.add_parser("infra", help="declare streams and consumers")
+    p_infra.add_argument("action", choices=["apply"])
+    _common(p_infra)
+    p_infra.set_defaults(func=cmd_infra)
+
+    p_bench = sub.add_parser("bench", help="benchmarks (ratios against a baseline measured in the same run)")
+    p_bench.add_argument("name", choices=["log"])
+    p_bench.add_argument("--quick", action="store_true", help="fewer iterations")
+    p_bench.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p_bench.set_defaults(func=cmd_bench)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SprawlError as exc:
+        print(f"sprawl: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
