@@ -278,7 +278,7 @@ def _start_seaweed(directory: Path, section: StackSection, s3: S3BlobSettings) -
         shutil.which("weed") or "weed", "mini",
         f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-s3.port={section.s3_port}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-        "-webdav=false", "-admin.ui=false",
+        "-webdav=false", "-admin.ui=false", "-s3.autoCreateBucket=false",
         f"-s3.config={identities}", f"-bucket={','.join(section.buckets)}",
     ] + [f"-{flag}={port}" for flag, port in _seaweed_ports(section).items()]
     record = _spawn("seaweedfs", argv, directory)

@@ -115,6 +115,16 @@ class Consumer:
         if self._sub is None:
             await self.bind()
         assert self._sub is not None
+        try:
+            await self._fetch_loop(stop)
+        finally:
+            with contextlib.suppress(*_TRANSIENT_NATS, nats.errors.BadSubscriptionError):
+                await self._sub.unsubscribe()
+            self._sub = None
+        return self.stats
+
+    async def _fetch_loop(self, stop: asyncio.Event) -> None:
+        assert self._sub is not None
         while not stop.is_set():
             try:
                 msgs = await self._sub.fetch(self.batch, timeout=self.fetch_timeout_s)
@@ -128,7 +138,6 @@ class Consumer:
                 await self._rebind_if_missing()
                 continue
             await asyncio.gather(*(self._handle_slot(m) for m in msgs))
-        return self.stats
 
     async def _rebind_if_missing(self) -> None:
         with contextlib.suppress(*_TRANSIENT_NATS, nats.js.errors.ServiceUnavailableError):

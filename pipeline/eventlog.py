@@ -11,6 +11,7 @@ is made create-only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.js import api
 
 from pipeline.blobstore import BlobStore, open_blob_store
 from pipeline.config import LogSettings, NatsSettings, SprawlSettings
@@ -101,8 +103,12 @@ class EventLog:
         return cls(nc, open_blob_store(settings.blobs), settings.log, producer)
 
     async def close(self) -> None:
+        # Every publish and ack we make is awaited, so there is nothing in flight to drain; a drain
+        # would wait out pending pull requests instead.
         if not self.nc.is_closed:
-            await self.nc.drain()
+            with contextlib.suppress(nats.errors.Error):
+                await self.nc.flush(timeout=2)
+            await self.nc.close()
 
     # ---------------------------------------------------------------- append
 
@@ -138,13 +144,30 @@ class EventLog:
             headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_last_subject_seq)
             if fence_subject is not None:
                 headers["Nats-Expected-Last-Subject-Sequence-Subject"] = fence_subject
-        ack = await self._publish_with_retries(subject, data, headers, expected_last_subject_seq)
+        try:
+            ack = await self._publish_with_retries(subject, data, headers, expected_last_subject_seq)
+        except AppendConflict:
+            # JetStream checks the expected sequence before the dedup window, so our own earlier
+            # attempt (landed, ack lost) looks like a conflict. If the head is ours, it is a duplicate.
+            ack = await self._own_head(subject, headers["Nats-Msg-Id"])
+            if ack is None:
+                raise
         if ack.duplicate:
             log.info("append deduplicated", subject=subject, msg_id=headers["Nats-Msg-Id"], stream_seq=ack.seq)
         return AppendResult(
             subject=subject, stream=ack.stream, seq=ack.seq, duplicate=bool(ack.duplicate),
             claim_checked=claim_checked, msg_id=headers["Nats-Msg-Id"],
         )
+
+    async def _own_head(self, subject: str, msg_id: str) -> api.PubAck | None:
+        try:
+            stream = await self.js.find_stream_name_by_subject(subject)
+            last = await self.js.get_last_msg(stream, subject)
+        except nats.js.errors.NotFoundError:
+            return None
+        if (last.headers or {}).get("Nats-Msg-Id") != msg_id:
+            return None
+        return api.PubAck(stream=stream, seq=last.seq, duplicate=True)
 
     async def _claim_check(self, event: Event, data: bytes) -> bytes:
         """Blob first, event second: the pointer is only published once the blob is durable."""
@@ -175,7 +198,7 @@ class EventLog:
                 if exc.err_code == _ERR_NO_STREAM_MATCH:
                     raise StreamNotDeclared(subject) from exc
                 raise AppendFailed(f"JetStream refused the append to {subject}: {exc}") from exc
-            except nats.errors.NoRespondersError as exc:
+            except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError) as exc:
                 # No stream listens (yet): either it is not declared or the server is restarting.
                 last_error = exc
             except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError,
@@ -184,7 +207,7 @@ class EventLog:
             log.warning("append retry", subject=subject, attempt=attempt, error=type(last_error).__name__)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
-        if isinstance(last_error, nats.errors.NoRespondersError):
+        if isinstance(last_error, nats.errors.NoRespondersError | nats.js.errors.NoStreamResponseError):
             raise StreamNotDeclared(subject) from last_error
         raise AppendFailed(
             f"append to {subject} failed after {self.settings.publish_attempts} attempts: {last_error!r}",

@@ -8,6 +8,7 @@ with defaults); a breaking change gets a new `.vN` type and an upcaster in
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import msgspec
@@ -62,7 +63,9 @@ class PolicyVersion(Event, kw_only=True, tag="policy_version.v1"):
     """S3 URI of the list of trajectory ids consumed (kept out of the event: it can be large)."""
 
     def business_key(self) -> str:
-        return f"policy.v{self.version}"
+        # The event id is part of the key: a retry of this very event dedups, while another
+        # trainer's (or a restarted trainer's) v<N> must hit the create-only fence instead.
+        return f"policy.v{self.version}.{self.event_id}"
 
 
 # ---------------------------------------------------------------- prompts
@@ -177,6 +180,12 @@ class Reward(Event, kw_only=True, tag="reward.v1"):
     error_class: str | None = None
     """None if the verifier ran to completion; otherwise e.g. `timeout`, `memory`, `crash`."""
     format_error: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # JSON has no Inf/NaN (they would encode as null and fail to decode): refuse at the producer.
+        if not math.isfinite(self.value) or not all(math.isfinite(v) for v in self.components.values()):
+            raise ValueError(f"reward for {self.trajectory_id} is not finite: {self.value}, {self.components}")
 
     def business_key(self) -> str:
         return f"reward.{self.trajectory_id}"
