@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Discriminator, SecretStr, Tag
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 _toml_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("sprawl_toml_file", default=None)
@@ -68,7 +68,17 @@ class LocalBlobSettings(Section):
     """Directory that stands in for a bucket (single-machine runs without S3)."""
 
 
-BlobSettings = Annotated[S3BlobSettings | LocalBlobSettings, Field(discriminator="type")]
+def _blob_backend(value: object) -> str:
+    """The backend named by `type`; S3 when unset, so `SPRAWL_BLOBS__ENDPOINT_URL=...` alone works."""
+    if isinstance(value, dict):
+        return str(value.get("type", "s3"))
+    return str(getattr(value, "type", "s3"))
+
+
+BlobSettings = Annotated[
+    Annotated[S3BlobSettings, Tag("s3")] | Annotated[LocalBlobSettings, Tag("local")],
+    Discriminator(_blob_backend),
+]
 
 
 class LogSettings(Section):
