@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import json
 import signal
 import sys
 from pathlib import Path
@@ -27,11 +28,20 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
     return overrides
 
 
+def _settings(cls, args: argparse.Namespace):  # noqa: ANN001, ANN202
+    """Load a worker's settings and set up its logs (before anything heavy is imported)."""
+    from pipeline.config import load_settings
+    from pipeline.logs import configure_logging
+
+    settings = load_settings(cls, args.config, **_overrides(args))
+    configure_logging(settings.run_id, settings.log_format, settings.log_level)
+    return settings
+
+
 def _stack_settings(args: argparse.Namespace):  # noqa: ANN202
     from infra.stack import StackSettings
-    from pipeline.config import load_settings
 
-    return load_settings(StackSettings, args.config, **_overrides(args))
+    return _settings(StackSettings, args)
 
 
 def _print_stack(st) -> None:  # noqa: ANN001
@@ -77,9 +87,9 @@ async def _apply_infra(settings) -> list[str]:  # noqa: ANN001
 
 
 def cmd_infra(args: argparse.Namespace) -> int:
-    from pipeline.config import SprawlSettings, load_settings
+    from pipeline.config import SprawlSettings
 
-    settings = load_settings(SprawlSettings, args.config, **_overrides(args))
+    settings = _settings(SprawlSettings, args)
     for line in asyncio.run(_apply_infra(settings)):
         print(line)
     return 0
@@ -113,6 +123,29 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sql(args: argparse.Namespace) -> int:
+    """Run one SQL statement in DuckDB with S3 access configured like every worker's."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pipeline.config import SprawlSettings
+    from pipeline.sql import open_duckdb
+
+    settings = _settings(SprawlSettings, args)
+    con = open_duckdb(settings)
+    result = con.execute(args.query)
+    columns = [d[0] for d in result.description or []]
+    rows = result.fetchall()
+    if args.json:
+        print(json.dumps([dict(zip(columns, row, strict=True)) for row in rows], default=str))
+        return 0
+    table = Table(*columns)
+    for row in rows:
+        table.add_row(*(str(v) for v in row))
+    Console().print(table)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from workers.bench import run_bench
 
@@ -137,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     p_infra.add_argument("action", choices=["apply"])
     _common(p_infra)
     p_infra.set_defaults(func=cmd_infra)
+
+    p_sql = sub.add_parser("sql", help="DuckDB SQL with the run's S3 configured")
+    p_sql.add_argument("query")
+    p_sql.add_argument("--json", action="store_true", help="print rows as one JSON array")
+    _common(p_sql)
+    p_sql.set_defaults(func=cmd_sql)
 
     p_bench = sub.add_parser("bench", help="benchmarks (ratios against a baseline measured in the same run)")
     p_bench.add_argument("name", choices=["log"])

@@ -1,0 +1,51 @@
+# sprawl: event-sourced RL post-training. `just` lists the recipes.
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+# list recipes
+default:
+    @just --list
+
+# the local stack, streams declared, stays up until Ctrl-C (later: plus a short RL run)
+up:
+    sprawl up
+
+# the local stack only, in the background (stop it with `just down`)
+stack:
+    sprawl stack up
+
+# stop the local stack (by pid file)
+down:
+    sprawl stack down
+
+# is the local stack running, and where
+status:
+    sprawl stack status
+
+# declare streams and consumers (idempotent)
+apply:
+    sprawl infra apply
+
+# the default suite: unit + integration against real servers, no slow or GPU tests
+test *ARGS:
+    python -m pytest -m "not slow and not gpu" {{ARGS}}
+
+# everything that runs on a CPU machine, slow tests included
+test-all *ARGS:
+    python -m pytest -m "not gpu" {{ARGS}}
+
+# a benchmark, e.g. `just bench log --quick --json`
+bench NAME *ARGS:
+    sprawl bench {{NAME}} {{ARGS}}
+
+# DuckDB SQL over the run's S3, e.g. `just sql "select 42"`
+sql QUERY:
+    sprawl sql {{quote(QUERY)}}
+
+# lint and format check
+lint:
+    ruff check .
+    ruff format --check .
+
+# re-export the event JSON Schemas after changing schemas/events.py
+schemas:
+    python -m schemas

@@ -1,0 +1,29 @@
+"""`sprawl bench <name>`: benchmarks as commands, reporting ratios against a baseline from the same run."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+BENCHES = ("log",)
+
+
+def run_bench(name: str, *, quick: bool, as_json: bool) -> int:
+    if name == "log":
+        from workers.bench.log_bench import bench_log
+
+        rows, summary = bench_log(quick=quick)
+    else:
+        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHES)}")
+    console = Console()
+    table = Table(title=f"sprawl bench {name}")
+    for column in rows[0]:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()))
+    console.print(table)
+    if as_json:
+        print(json.dumps(summary, sort_keys=True))
+    return 0
