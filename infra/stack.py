@@ -9,6 +9,7 @@ order, by pid, leaving no orphans.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -83,10 +84,14 @@ def stack_dir(settings: SprawlSettings) -> Path:
 def _seaweed_ports(section: StackSection) -> dict[str, int]:
     base = section.seaweed_port_base
     return {
-        "master.port": base, "master.port.grpc": base + 1,
-        "volume.port": base + 2, "volume.port.grpc": base + 3,
-        "filer.port": base + 4, "filer.port.grpc": base + 5,
-        "s3.port.grpc": base + 6, "admin.port": base + 7,
+        "master.port": base,
+        "master.port.grpc": base + 1,
+        "volume.port": base + 2,
+        "volume.port.grpc": base + 3,
+        "filer.port": base + 4,
+        "filer.port.grpc": base + 5,
+        "s3.port.grpc": base + 6,
+        "admin.port": base + 7,
         # weed's plugin worker dials admin + 10000 whatever admin.port.grpc says; keep them equal.
         "admin.port.grpc": base + 7 + 10000,
     }
@@ -225,18 +230,20 @@ def _stop_servers(servers: list[ServerRecord], timeout_s: float = 15.0) -> list[
 
 def _reap(pid: int) -> None:
     """Collect the exit status if the server is our child, so it does not linger as a zombie."""
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
 
 
 def _spawn(name: str, argv: list[str], directory: Path) -> ServerRecord:
     log_path = directory / f"{name}.log"
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(
-            argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            cwd=directory, start_new_session=True,
+            argv,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=directory,
+            start_new_session=True,
         )
     (directory / f"{name}.pid").write_text(str(proc.pid))
     return ServerRecord(name=name, pid=proc.pid, endpoint="", log_file=str(log_path))
@@ -247,14 +254,16 @@ def _start_nats(directory: Path, section: StackSection) -> ServerRecord:
     store.mkdir(parents=True, exist_ok=True)
     conf = directory / "nats.conf"
     conf.write_text(
-        "\n".join([
-            "server_name: sprawl_local",
-            f"listen: 127.0.0.1:{section.nats_port}",
-            f"http: 127.0.0.1:{section.nats_monitor_port}",
-            f"max_payload: {section.nats_max_payload_bytes}",
-            f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n}}",
-            "",
-        ])
+        "\n".join(
+            [
+                "server_name: sprawl_local",
+                f"listen: 127.0.0.1:{section.nats_port}",
+                f"http: 127.0.0.1:{section.nats_monitor_port}",
+                f"max_payload: {section.nats_max_payload_bytes}",
+                f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n}}",
+                "",
+            ]
+        )
     )
     record = _spawn("nats", [shutil.which("nats-server") or "nats-server", "-c", str(conf)], directory)
     record.endpoint = f"nats://127.0.0.1:{section.nats_port}"
@@ -266,20 +275,36 @@ def _start_seaweed(directory: Path, section: StackSection, s3: S3BlobSettings) -
     data.mkdir(parents=True, exist_ok=True)
     identities = directory / "s3-identities.json"
     secret: SecretStr = s3.secret_access_key
-    identities.write_text(json.dumps({
-        "identities": [{
-            "name": "sprawl",
-            "credentials": [{"accessKey": s3.access_key_id, "secretKey": secret.get_secret_value()}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }]
-    }))
+    identities.write_text(
+        json.dumps(
+            {
+                "identities": [
+                    {
+                        "name": "sprawl",
+                        "credentials": [
+                            {"accessKey": s3.access_key_id, "secretKey": secret.get_secret_value()}
+                        ],
+                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                    }
+                ]
+            }
+        )
+    )
     identities.chmod(0o600)
     argv = [
-        shutil.which("weed") or "weed", "mini",
-        f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-        f"-s3.port={section.s3_port}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-        "-webdav=false", "-admin.ui=false", "-s3.autoCreateBucket=false",
-        f"-s3.config={identities}", f"-bucket={','.join(section.buckets)}",
+        shutil.which("weed") or "weed",
+        "mini",
+        f"-dir={data}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-s3.port={section.s3_port}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-webdav=false",
+        "-admin.ui=false",
+        "-s3.autoCreateBucket=false",
+        f"-s3.config={identities}",
+        f"-bucket={','.join(section.buckets)}",
     ] + [f"-{flag}={port}" for flag, port in _seaweed_ports(section).items()]
     record = _spawn("seaweedfs", argv, directory)
     record.endpoint = f"http://127.0.0.1:{section.s3_port}"
@@ -314,8 +339,10 @@ def _wait_nats(record: ServerRecord, section: StackSection, deadline: float) -> 
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         if time.monotonic() > deadline:
-            raise StackError(f"nats-server not healthy within {section.start_timeout_s:.0f}s",
-                             hint=f"see {record.log_file}")
+            raise StackError(
+                f"nats-server not healthy within {section.start_timeout_s:.0f}s",
+                hint=f"see {record.log_file}",
+            )
         time.sleep(0.1)
 
 
@@ -325,10 +352,17 @@ def _wait_s3(record: ServerRecord, section: StackSection, s3: S3BlobSettings, de
 
     last = ""
     for bucket in section.buckets:
-        store = S3BlobStore(s3.model_copy(update={
-            "endpoint_url": f"http://127.0.0.1:{section.s3_port}", "bucket": bucket, "max_attempts": 1,
-            "connect_timeout_s": 1.0, "read_timeout_s": 5.0,
-        }))
+        store = S3BlobStore(
+            s3.model_copy(
+                update={
+                    "endpoint_url": f"http://127.0.0.1:{section.s3_port}",
+                    "bucket": bucket,
+                    "max_attempts": 1,
+                    "connect_timeout_s": 1.0,
+                    "read_timeout_s": 5.0,
+                }
+            )
+        )
         while True:
             _check_alive(record)
             try:
@@ -340,6 +374,8 @@ def _wait_s3(record: ServerRecord, section: StackSection, s3: S3BlobSettings, de
             except Exception as exc:  # botocore raises many shapes while the server boots
                 last = repr(exc)
             if time.monotonic() > deadline:
-                raise StackError(f"SeaweedFS S3 not healthy within {section.start_timeout_s:.0f}s: {last}",
-                                 hint=f"see {record.log_file}")
+                raise StackError(
+                    f"SeaweedFS S3 not healthy within {section.start_timeout_s:.0f}s: {last}",
+                    hint=f"see {record.log_file}",
+                )
             time.sleep(0.25)

@@ -44,8 +44,12 @@ class ConsumerSpec:
 # One stream per retention class. Subjects span every run: `rl.*.<kind>...`.
 STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec(
-        "POLICY", ["rl.*.policy.*"], "policy version chain (create-only, never deleted)",
-        deny_delete=True, deny_purge=True, policy_log=True,
+        "POLICY",
+        ["rl.*.policy.*"],
+        "policy version chain (create-only, never deleted)",
+        deny_delete=True,
+        deny_purge=True,
+        policy_log=True,
     ),
     StreamSpec("PROMPTS", ["rl.*.prompts", "rl.*.prompts.>"], "prompt groups to sample"),
     StreamSpec("TRAJECTORIES", ["rl.*.traj.>"], "sampled trajectories"),
@@ -61,17 +65,23 @@ def consumers_for_run(run_id: str) -> tuple[ConsumerSpec, ...]:
 
     run = token(run_id, "run_id")
     return (
-        ConsumerSpec("PROMPTS", f"{run}-samplers", [prompts_subject(run)], "sampler islands share prompt groups"),
-        ConsumerSpec("TRAJECTORIES", f"{run}-rewards", [trajectories_filter(run)], "reward workers"),
-        ConsumerSpec("TRAJECTORIES", f"{run}-trainer-traj", [trajectories_filter(run)], "trainer: trajectories"),
-        ConsumerSpec("REWARDS", f"{run}-trainer-rewards", [rewards_filter(run)], "trainer: rewards"),
-    ) + tuple(
         ConsumerSpec(
-            spec.name, f"{run}-archiver-{spec.name.lower()}",
-            [s.replace("rl.*.", f"rl.{run}.", 1) for s in spec.subjects],
-            f"archiver: every event of {spec.name}",
-        )
-        for spec in STREAMS
+            "PROMPTS", f"{run}-samplers", [prompts_subject(run)], "sampler islands share prompt groups"
+        ),
+        ConsumerSpec("TRAJECTORIES", f"{run}-rewards", [trajectories_filter(run)], "reward workers"),
+        ConsumerSpec(
+            "TRAJECTORIES", f"{run}-trainer-traj", [trajectories_filter(run)], "trainer: trajectories"
+        ),
+        ConsumerSpec("REWARDS", f"{run}-trainer-rewards", [rewards_filter(run)], "trainer: rewards"),
+        *tuple(
+            ConsumerSpec(
+                spec.name,
+                f"{run}-archiver-{spec.name.lower()}",
+                [s.replace("rl.*.", f"rl.{run}.", 1) for s in spec.subjects],
+                f"archiver: every event of {spec.name}",
+            )
+            for spec in STREAMS
+        ),
     )
 
 
@@ -133,16 +143,30 @@ def _differs(wanted: object, current: object, fields: list[str]) -> list[str]:
 
 
 _STREAM_FIELDS = [
-    "subjects", "retention", "storage", "num_replicas", "duplicate_window",
-    "deny_delete", "deny_purge", "allow_direct", "description",
+    "subjects",
+    "retention",
+    "storage",
+    "num_replicas",
+    "duplicate_window",
+    "deny_delete",
+    "deny_purge",
+    "allow_direct",
+    "description",
 ]
 _CONSUMER_FIELDS = [
-    "ack_wait", "max_deliver", "backoff", "max_ack_pending",
-    "filter_subject", "filter_subjects", "description",
+    "ack_wait",
+    "max_deliver",
+    "backoff",
+    "max_ack_pending",
+    "filter_subject",
+    "filter_subjects",
+    "description",
 ]
 
 
-async def apply(js, settings: StreamSettings, run_id: str, extra_consumers: tuple[ConsumerSpec, ...] = ()) -> ApplyReport:  # noqa: ANN001
+async def apply(
+    js, settings: StreamSettings, run_id: str, extra_consumers: tuple[ConsumerSpec, ...] = ()
+) -> ApplyReport:
     """Create or update every stream and consumer; re-running with the same inputs changes nothing."""
     report = ApplyReport()
     for spec in STREAMS:
@@ -163,7 +187,7 @@ async def apply(js, settings: StreamSettings, run_id: str, extra_consumers: tupl
     return report
 
 
-async def apply_consumer(js, spec: ConsumerSpec, settings: StreamSettings, report: ApplyReport) -> None:  # noqa: ANN001
+async def apply_consumer(js, spec: ConsumerSpec, settings: StreamSettings, report: ApplyReport) -> None:
     wanted = consumer_config(spec, settings)
     label = f"consumer {spec.stream}/{spec.name}"
     try:

@@ -76,7 +76,12 @@ def content_key(data: bytes, prefix: str = "cas") -> str:
 class BlobStore(Protocol):
     def uri(self, key: str) -> str: ...
     def put_bytes(
-        self, data: bytes, key: str | None = None, *, prefix: str = "cas", algorithm: ChecksumAlgorithm = "sha256"
+        self,
+        data: bytes,
+        key: str | None = None,
+        *,
+        prefix: str = "cas",
+        algorithm: ChecksumAlgorithm = "sha256",
     ) -> BlobRef: ...
     def put_file(self, path: Path, key: str, *, algorithm: ChecksumAlgorithm = "sha256") -> BlobRef: ...
     def get_bytes(self, uri: str, *, expected: str | None = None) -> bytes: ...
@@ -139,7 +144,7 @@ class S3BlobStore:
         )
 
     @property
-    def client(self):  # noqa: ANN201 - boto3 client types are generated
+    def client(self):
         return self._client
 
     def uri(self, key: str) -> str:
@@ -167,7 +172,7 @@ class S3BlobStore:
             return BlobStoreUnavailable(self.settings.endpoint_url, str(exc))
         return BlobStoreError(f"S3 error on {uri}: {exc}")
 
-    def _call(self, uri: str, bucket: str, fn, *args, **kwargs):  # noqa: ANN001, ANN202
+    def _call(self, uri: str, bucket: str, fn, *args, **kwargs):
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
@@ -176,7 +181,12 @@ class S3BlobStore:
             raise self._translate(exc, uri, bucket) from exc
 
     def put_bytes(
-        self, data: bytes, key: str | None = None, *, prefix: str = "cas", algorithm: ChecksumAlgorithm = "sha256"
+        self,
+        data: bytes,
+        key: str | None = None,
+        *,
+        prefix: str = "cas",
+        algorithm: ChecksumAlgorithm = "sha256",
     ) -> BlobRef:
         key = key or content_key(data, prefix)
         checksum = checksum_of(data, algorithm)
@@ -201,14 +211,24 @@ class S3BlobStore:
                 # The server recomputes this and refuses a body that changed in flight.
                 extra["ChecksumSHA256"] = base64.b64encode(bytes.fromhex(checksum)).decode()
             self._call(
-                uri, self.bucket, self._client.put_object,
-                Bucket=self.bucket, Key=key, Body=stream, Metadata=metadata, **extra,
+                uri,
+                self.bucket,
+                self._client.put_object,
+                Bucket=self.bucket,
+                Key=key,
+                Body=stream,
+                Metadata=metadata,
+                **extra,
             )
         else:
             # Multipart: boto3 checksums every part and the server verifies each one.
             self._call(
-                uri, self.bucket, self._client.upload_fileobj,
-                stream, self.bucket, key,
+                uri,
+                self.bucket,
+                self._client.upload_fileobj,
+                stream,
+                self.bucket,
+                key,
                 ExtraArgs={"Metadata": metadata, "ChecksumAlgorithm": "SHA256"},
                 Config=self._transfer,
             )
@@ -246,7 +266,9 @@ class S3BlobStore:
     def list_keys(self, prefix: str) -> list[str]:
         paginator = self._client.get_paginator("list_objects_v2")
         keys: list[str] = []
-        pages = self._call(prefix, self.bucket, lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=prefix)))
+        pages = self._call(
+            prefix, self.bucket, lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=prefix))
+        )
         for page in pages:
             keys.extend(obj["Key"] for obj in page.get("Contents", []))
         return keys
@@ -301,10 +323,17 @@ class LocalBlobStore:
         return path
 
     def put_bytes(
-        self, data: bytes, key: str | None = None, *, prefix: str = "cas", algorithm: ChecksumAlgorithm = "sha256"
+        self,
+        data: bytes,
+        key: str | None = None,
+        *,
+        prefix: str = "cas",
+        algorithm: ChecksumAlgorithm = "sha256",
     ) -> BlobRef:
         key = key or content_key(data, prefix)
-        ref = _stream_to_file(self.uri(key), iter([data]), self.root / key, algorithm, checksum_of(data, algorithm))
+        ref = _stream_to_file(
+            self.uri(key), iter([data]), self.root / key, algorithm, checksum_of(data, algorithm)
+        )
         self._write_meta(self.root / key, ref)
         return ref
 
@@ -329,7 +358,9 @@ class LocalBlobStore:
         if not path.is_file():
             raise BlobNotFound(uri)
         meta_path = Path(f"{path}.meta")
-        metadata = dict(line.split("=", 1) for line in meta_path.read_text().split()) if meta_path.exists() else {}
+        metadata = (
+            dict(line.split("=", 1) for line in meta_path.read_text().split()) if meta_path.exists() else {}
+        )
 
         def chunks() -> Iterator[bytes]:
             with open(path, "rb") as fh:

@@ -82,7 +82,9 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
     async def on_error(exc: Exception) -> None:
         log.warning("nats client error", error=str(exc))
 
-    await nc.connect(disconnected_cb=on_disconnected, reconnected_cb=on_reconnected, error_cb=on_error, **options)
+    await nc.connect(
+        disconnected_cb=on_disconnected, reconnected_cb=on_reconnected, error_cb=on_error, **options
+    )
     return nc
 
 
@@ -153,10 +155,16 @@ class EventLog:
             if ack is None:
                 raise
         if ack.duplicate:
-            log.info("append deduplicated", subject=subject, msg_id=headers["Nats-Msg-Id"], stream_seq=ack.seq)
+            log.info(
+                "append deduplicated", subject=subject, msg_id=headers["Nats-Msg-Id"], stream_seq=ack.seq
+            )
         return AppendResult(
-            subject=subject, stream=ack.stream, seq=ack.seq, duplicate=bool(ack.duplicate),
-            claim_checked=claim_checked, msg_id=headers["Nats-Msg-Id"],
+            subject=subject,
+            stream=ack.stream,
+            seq=ack.seq,
+            duplicate=bool(ack.duplicate),
+            claim_checked=claim_checked,
+            msg_id=headers["Nats-Msg-Id"],
         )
 
     async def _own_head(self, subject: str, msg_id: str) -> api.PubAck | None:
@@ -179,19 +187,26 @@ class EventLog:
             )
         ref = await asyncio.to_thread(self.blobs.put_bytes, data, prefix=f"claims/{event.run_id}")
         claim = ClaimCheck(
-            run_id=event.run_id, event_id=event.event_id, producer=event.producer,
-            event_type=type(event).type_tag(), uri=ref.uri, sha256=ref.checksum, bytes=ref.bytes,
+            run_id=event.run_id,
+            event_id=event.event_id,
+            producer=event.producer,
+            event_type=type(event).type_tag(),
+            uri=ref.uri,
+            sha256=ref.checksum,
+            bytes=ref.bytes,
         )
         return encode_event(claim)
 
     async def _publish_with_retries(
         self, subject: str, data: bytes, headers: dict[str, str], expected_seq: int | None
-    ):  # noqa: ANN202 - nats-py's PubAck
+    ):
         delay = self.settings.publish_backoff_s
         last_error: Exception | None = None
         for attempt in range(1, self.settings.publish_attempts + 1):
             try:
-                return await self.js.publish(subject, data, headers=headers, timeout=self.settings.publish_timeout_s)
+                return await self.js.publish(
+                    subject, data, headers=headers, timeout=self.settings.publish_timeout_s
+                )
             except nats.js.errors.APIError as exc:
                 if exc.err_code in (_ERR_WRONG_LAST_SEQUENCE, _ERR_WRONG_LAST_MSG_ID):
                     raise AppendConflict(subject, expected_seq or 0, exc.description or str(exc)) from exc
@@ -201,8 +216,12 @@ class EventLog:
             except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError) as exc:
                 # No stream listens (yet): either it is not declared or the server is restarting.
                 last_error = exc
-            except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError,
-                    nats.errors.ConnectionReconnectingError, nats.errors.OutboundBufferLimitError) as exc:
+            except (
+                nats.errors.TimeoutError,
+                nats.errors.ConnectionClosedError,
+                nats.errors.ConnectionReconnectingError,
+                nats.errors.OutboundBufferLimitError,
+            ) as exc:
                 last_error = exc
             log.warning("append retry", subject=subject, attempt=attempt, error=type(last_error).__name__)
             await asyncio.sleep(delay)

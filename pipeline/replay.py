@@ -49,8 +49,12 @@ async def replay(
     else:
         policy = {"deliver_policy": api.DeliverPolicy.ALL}
     config = api.ConsumerConfig(
-        ack_policy=api.AckPolicy.NONE, filter_subject=subject_filter, inactive_threshold=60.0,
-        mem_storage=True, num_replicas=1, **policy,
+        ack_policy=api.AckPolicy.NONE,
+        filter_subject=subject_filter,
+        inactive_threshold=60.0,
+        mem_storage=True,
+        num_replicas=1,
+        **policy,
     )
     sub = await event_log.js.pull_subscribe(subject_filter, durable=None, stream=stream, config=config)
     info = await sub.consumer_info()
@@ -66,8 +70,11 @@ async def replay(
                 try:
                     event = await event_log.resolve(msg.data)
                 except PoisonEvent as exc:
-                    log.warning("replay skipped an undecodable event", stream_seq=msg.metadata.sequence.stream,
-                                reason=exc.message)
+                    log.warning(
+                        "replay skipped an undecodable event",
+                        stream_seq=msg.metadata.sequence.stream,
+                        reason=exc.message,
+                    )
                     continue
                 yield Replayed(msg.metadata.sequence.stream, msg.subject, event)
     finally:

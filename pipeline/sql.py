@@ -21,32 +21,44 @@ def extension_directory() -> Path:
     """The folder of the `duckdb-ext-httpfs` wheel, laid out as DuckDB's extension directory."""
     spec = importlib.util.find_spec("duckdb_ext")
     if spec is None or not spec.submodule_search_locations:
-        raise SprawlError("the DuckDB httpfs extension is not installed",
-                          hint="pip install duckdb-ext-httpfs==1.4.4.20260205 (it must match duckdb 1.4.4)")
+        raise SprawlError(
+            "the DuckDB httpfs extension is not installed",
+            hint="pip install duckdb-ext-httpfs==1.4.4.20260205 (it must match duckdb 1.4.4)",
+        )
     return Path(next(iter(spec.submodule_search_locations))) / "extensions"
 
 
 def open_duckdb(settings: SprawlSettings, database: str = ":memory:") -> duckdb.DuckDBPyConnection:
-    con = duckdb.connect(database, config={
-        "extension_directory": str(extension_directory()),
-        "autoinstall_known_extensions": False,
-        "autoload_known_extensions": False,
-    })
+    con = duckdb.connect(
+        database,
+        config={
+            "extension_directory": str(extension_directory()),
+            "autoinstall_known_extensions": False,
+            "autoload_known_extensions": False,
+        },
+    )
     try:
         con.execute("LOAD httpfs")
     except duckdb.Error as exc:
-        raise SprawlError(f"DuckDB could not load httpfs from {extension_directory()}: {exc}",
-                          hint=f"duckdb {duckdb.__version__} needs the duckdb-ext-httpfs wheel of the same version")
+        raise SprawlError(
+            f"DuckDB could not load httpfs from {extension_directory()}: {exc}",
+            hint=f"duckdb {duckdb.__version__} needs the duckdb-ext-httpfs wheel of the same version",
+        ) from exc
     blobs = settings.blobs
     if isinstance(blobs, S3BlobSettings):
         options = {
-            "TYPE": "s3", "KEY_ID": blobs.access_key_id,
-            "SECRET": blobs.secret_access_key.get_secret_value(), "REGION": blobs.region,
+            "TYPE": "s3",
+            "KEY_ID": blobs.access_key_id,
+            "SECRET": blobs.secret_access_key.get_secret_value(),
+            "REGION": blobs.region,
         }
         if blobs.endpoint_url:
             endpoint = urlparse(blobs.endpoint_url)
-            options |= {"ENDPOINT": endpoint.netloc, "URL_STYLE": "path",
-                        "USE_SSL": "true" if endpoint.scheme == "https" else "false"}
+            options |= {
+                "ENDPOINT": endpoint.netloc,
+                "URL_STYLE": "path",
+                "USE_SSL": "true" if endpoint.scheme == "https" else "false",
+            }
         rendered = ", ".join(f"{k} {_literal(v)}" for k, v in options.items())
         con.execute(f"CREATE OR REPLACE SECRET sprawl_s3 ({rendered})")
     return con

@@ -33,7 +33,7 @@ def _append_line(path: Path, line: str) -> None:
         os.close(fd)
 
 
-def ledger_handler(blobs: S3BlobStore, workdir: Path, hang_on: str | None):  # noqa: ANN201
+def ledger_handler(blobs: S3BlobStore, workdir: Path, hang_on: str | None):
     async def handle(delivery: Delivery) -> None:
         event = delivery.event
         _append_line(workdir / "invocations", event.event_id)
@@ -57,8 +57,13 @@ async def main() -> None:
     configure_logging(settings.run_id, fmt="json", level="WARNING")
     event_log = await EventLog.connect(settings, worker="ledger-consumer")
     blobs = S3BlobStore(settings.blobs)
-    consumer = Consumer(event_log, "TRAJECTORIES", f"{settings.run_id}-rewards",
-                        ledger_handler(blobs, args.workdir, args.hang_on), fetch_timeout_s=0.2)
+    consumer = Consumer(
+        event_log,
+        "TRAJECTORIES",
+        f"{settings.run_id}-rewards",
+        ledger_handler(blobs, args.workdir, args.hang_on),
+        fetch_timeout_s=0.2,
+    )
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await consumer.run(stop)

@@ -35,8 +35,11 @@ def test_put_at_key_with_xxh3(blobs, settings, tmp_path):
 
 
 def test_multipart_upload_above_threshold(settings, tmp_path):
-    store = S3BlobStore(settings.blobs.model_copy(update={
-        "multipart_threshold_bytes": 5 * 1024 * 1024, "multipart_chunk_bytes": 5 * 1024 * 1024}))
+    store = S3BlobStore(
+        settings.blobs.model_copy(
+            update={"multipart_threshold_bytes": 5 * 1024 * 1024, "multipart_chunk_bytes": 5 * 1024 * 1024}
+        )
+    )
     data = os.urandom(12 * 1024 * 1024 + 17)
     path = tmp_path / "big.bin"
     path.write_bytes(data)
@@ -50,7 +53,9 @@ def test_tampered_blob_is_detected_and_no_partial_file_is_left(blobs, settings, 
     ref = blobs.put_bytes(b"the real bytes", key=f"t/{settings.run_id}/tamper")
     # Someone overwrites the object but keeps our metadata (the recorded checksum).
     blobs.client.put_object(
-        Bucket=blobs.bucket, Key=f"t/{settings.run_id}/tamper", Body=b"the fake bytes",
+        Bucket=blobs.bucket,
+        Key=f"t/{settings.run_id}/tamper",
+        Body=b"the fake bytes",
         Metadata={"sprawl-sha256": ref.checksum},
     )
     with pytest.raises(BlobIntegrityError, match="failed verification"):
@@ -66,7 +71,9 @@ def test_missing_key_bucket_and_bad_credentials_are_typed(blobs, settings):
     assert not blobs.exists(blobs.uri("no/such/key"))
     with pytest.raises(BucketNotFound, match="no-such-bucket"):
         S3BlobStore(settings.blobs.model_copy(update={"bucket": "no-such-bucket"})).put_bytes(b"x")
-    bad = S3BlobStore(settings.blobs.model_copy(update={"secret_access_key": SecretStr("wrong"), "max_attempts": 1}))
+    bad = S3BlobStore(
+        settings.blobs.model_copy(update={"secret_access_key": SecretStr("wrong"), "max_attempts": 1})
+    )
     with pytest.raises(BlobAccessDenied, match="SPRAWL_BLOBS__SECRET_ACCESS_KEY"):
         bad.get_bytes(blobs.uri("anything"))
 
@@ -74,7 +81,9 @@ def test_missing_key_bucket_and_bad_credentials_are_typed(blobs, settings):
 def test_list_keys_under_a_prefix(blobs, settings):
     for i in range(3):
         blobs.put_bytes(bytes([i]), key=f"t/{settings.run_id}/list/{i}")
-    assert blobs.list_keys(f"t/{settings.run_id}/list/") == [f"t/{settings.run_id}/list/{i}" for i in range(3)]
+    assert blobs.list_keys(f"t/{settings.run_id}/list/") == [
+        f"t/{settings.run_id}/list/{i}" for i in range(3)
+    ]
 
 
 def test_local_backend_verifies_too(tmp_path):

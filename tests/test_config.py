@@ -28,9 +28,11 @@ def _flatten(annotation) -> list:
 
 
 def test_every_settings_field_is_documented():
-    models = _models(StackSettings, set()) + [S3BlobSettings, LocalBlobSettings]
+    models = [*_models(StackSettings, set()), S3BlobSettings, LocalBlobSettings]
     undocumented = [
-        f"{m.__name__}.{name}" for m in models for name, f in m.model_fields.items()
+        f"{m.__name__}.{name}"
+        for m in models
+        for name, f in m.model_fields.items()
         if name != "type" and not f.description
     ]
     assert undocumented == []

@@ -1,6 +1,7 @@
 """A consumer SIGKILLed mid-handler, and a nats-server restarted under a running consumer."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,7 +17,6 @@ from infra.streams import apply
 from pipeline.blobstore import S3BlobStore
 from pipeline.consumer import Consumer
 from pipeline.eventlog import EventLog
-from tests.consuming import run_until
 from tests.events import trajectory
 from tests.ledger_consumer import ledger_handler
 from tests.servers import stack_settings
@@ -100,14 +100,17 @@ def _restart_nats(settings) -> None:
     os.kill(record.pid, signal.SIGTERM)
     deadline = time.monotonic() + 15
     while stack._pid_alive(record.pid, "nats-server") and time.monotonic() < deadline:
-        try:
+        with contextlib.suppress(ChildProcessError):
             os.waitpid(record.pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
         time.sleep(0.05)
     log_file = open(record.log_file, "ab")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen([a.decode() for a in argv], stdout=log_file, stderr=subprocess.STDOUT,
-                            cwd=Path(record.log_file).parent, start_new_session=True)
+    proc = subprocess.Popen(
+        [a.decode() for a in argv],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        cwd=Path(record.log_file).parent,
+        start_new_session=True,
+    )
     log_file.close()
     state = stack._state_file(stack.stack_dir(settings))
     state.write_text(state.read_text().replace(f'"pid": {record.pid}', f'"pid": {proc.pid}'))

@@ -42,16 +42,20 @@ async def test_second_create_only_publish_of_a_version_is_refused(event_log, set
 
 async def test_version_chain_is_fenced_on_the_previous_version(event_log, settings):
     fence = policy_filter(settings.run_id)
-    v0 = await event_log.append(policy_version(settings.run_id, 0), expected_last_subject_seq=0, fence_subject=fence)
+    v0 = await event_log.append(
+        policy_version(settings.run_id, 0), expected_last_subject_seq=0, fence_subject=fence
+    )
     v1_event = policy_version(settings.run_id, 1)
     v1 = await event_log.append(v1_event, expected_last_subject_seq=v0.seq, fence_subject=fence)
     # A second trainer that still believes v0 is the head cannot append its own v1 or a v2.
     with pytest.raises(AppendConflict):
-        await event_log.append(policy_version(settings.run_id, 1), expected_last_subject_seq=v0.seq,
-                               fence_subject=fence)
+        await event_log.append(
+            policy_version(settings.run_id, 1), expected_last_subject_seq=v0.seq, fence_subject=fence
+        )
     with pytest.raises(AppendConflict):
-        await event_log.append(policy_version(settings.run_id, 2), expected_last_subject_seq=v0.seq,
-                               fence_subject=fence)
+        await event_log.append(
+            policy_version(settings.run_id, 2), expected_last_subject_seq=v0.seq, fence_subject=fence
+        )
     # The legitimate writer retrying its own v1 is a duplicate, not a conflict.
     again = await event_log.append(v1_event, expected_last_subject_seq=v0.seq, fence_subject=fence)
     assert again.duplicate and again.seq == v1.seq
@@ -59,9 +63,9 @@ async def test_version_chain_is_fenced_on_the_previous_version(event_log, settin
 
 async def test_policy_stream_refuses_delete_and_purge(event_log, settings):
     result = await event_log.append(policy_version(settings.run_id, 0), expected_last_subject_seq=0)
-    with pytest.raises(Exception, match="(?i)delete|purge|not permitted|denied"):
+    with pytest.raises(Exception, match=r"(?i)delete|purge|not permitted|denied"):
         await event_log.js.delete_msg("POLICY", result.seq)
-    with pytest.raises(Exception, match="(?i)purge|not permitted|denied"):
+    with pytest.raises(Exception, match=r"(?i)purge|not permitted|denied"):
         await event_log.js.purge_stream("POLICY")
 
 
@@ -90,12 +94,18 @@ async def test_replay_from_a_sequence_and_from_a_time(event_log, settings):
             await asyncio.sleep(0.05)
     everything = [r async for r in replay(event_log, "TRAJECTORIES", trajectories_filter(settings.run_id))]
     assert [r.event.trajectory_id for r in everything] == [f"replay-{n}" for n in range(5)]
-    tail = [r async for r in replay(event_log, "TRAJECTORIES", trajectories_filter(settings.run_id),
-                                    start_seq=results[3].seq)]
+    tail = [
+        r
+        async for r in replay(
+            event_log, "TRAJECTORIES", trajectories_filter(settings.run_id), start_seq=results[3].seq
+        )
+    ]
     assert [r.stream_seq for r in tail] == [results[3].seq, results[4].seq]
     at = everything[3].event.produced_at
-    since = [r async for r in replay(event_log, "TRAJECTORIES", trajectories_filter(settings.run_id),
-                                     start_time=at)]
+    since = [
+        r
+        async for r in replay(event_log, "TRAJECTORIES", trajectories_filter(settings.run_id), start_time=at)
+    ]
     assert [r.event.trajectory_id for r in since][-2:] == ["replay-3", "replay-4"]
     nothing = [r async for r in replay(event_log, "TRAJECTORIES", f"rl.{settings.run_id}.traj.nobody")]
     assert nothing == []

@@ -38,16 +38,22 @@ def test_taken_port_is_a_one_line_error_naming_the_port(tmp_path):
 
 def test_taken_port_through_the_cli_exits_nonzero_with_the_cause(tmp_path):
     settings = stack_settings(tmp_path)
-    env = {**os.environ, "SPRAWL_STACK__NATS_PORT": str(settings.stack.nats_port),
-           "SPRAWL_STACK__SEAWEED_PORT_BASE": str(settings.stack.seaweed_port_base),
-           "SPRAWL_STACK__S3_PORT": str(settings.stack.s3_port),
-           "SPRAWL_STACK__NATS_MONITOR_PORT": str(settings.stack.nats_monitor_port)}
+    env = {
+        **os.environ,
+        "SPRAWL_STACK__NATS_PORT": str(settings.stack.nats_port),
+        "SPRAWL_STACK__SEAWEED_PORT_BASE": str(settings.stack.seaweed_port_base),
+        "SPRAWL_STACK__S3_PORT": str(settings.stack.s3_port),
+        "SPRAWL_STACK__NATS_MONITOR_PORT": str(settings.stack.nats_monitor_port),
+    }
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", settings.stack.s3_port))
         squatter.listen()
         result = subprocess.run(
             [sys.executable, "-m", "workers.cli", "stack", "up", "--state-dir", str(tmp_path)],
-            env=env, capture_output=True, text=True, timeout=60,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import json
 import signal
 import sys
 from pathlib import Path
@@ -15,7 +14,9 @@ from pipeline.errors import SprawlError
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=None, help="TOML settings file (else SPRAWL_CONFIG)")
-    parser.add_argument("--run", dest="run_id", default=None, help="run id (else SPRAWL_RUN_ID, default 'local')")
+    parser.add_argument(
+        "--run", dest="run_id", default=None, help="run id (else SPRAWL_RUN_ID, default 'local')"
+    )
     parser.add_argument("--state-dir", type=Path, default=None, help="state folder (default .sprawl)")
 
 
@@ -28,7 +29,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
     return overrides
 
 
-def _settings(cls, args: argparse.Namespace):  # noqa: ANN001, ANN202
+def _settings(cls, args: argparse.Namespace):
     """Load a worker's settings and set up its logs (before anything heavy is imported)."""
     from pipeline.config import load_settings
     from pipeline.logs import configure_logging
@@ -38,13 +39,13 @@ def _settings(cls, args: argparse.Namespace):  # noqa: ANN001, ANN202
     return settings
 
 
-def _stack_settings(args: argparse.Namespace):  # noqa: ANN202
+def _stack_settings(args: argparse.Namespace):
     from infra.stack import StackSettings
 
     return _settings(StackSettings, args)
 
 
-def _print_stack(st) -> None:  # noqa: ANN001
+def _print_stack(st) -> None:
     word = "already running" if st.already_running else "up"
     print(f"stack {word} (state: {st.state_dir})")
     for name, url in st.endpoints().items():
@@ -72,7 +73,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _apply_infra(settings) -> list[str]:  # noqa: ANN001
+async def _apply_infra(settings) -> list[str]:
     from infra.streams import apply
     from pipeline.eventlog import connect_nats
 
@@ -81,9 +82,11 @@ async def _apply_infra(settings) -> list[str]:  # noqa: ANN001
         report = await apply(nc.jetstream(), settings.streams, settings.run_id)
     finally:
         await nc.close()
-    return [f"created {x}" for x in report.created] + [f"updated {x}" for x in report.updated] + [
-        f"unchanged {x}" for x in report.unchanged
-    ]
+    return (
+        [f"created {x}" for x in report.created]
+        + [f"updated {x}" for x in report.updated]
+        + [f"unchanged {x}" for x in report.unchanged]
+    )
 
 
 def cmd_infra(args: argparse.Namespace) -> int:
@@ -103,11 +106,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     st = stack.up(settings)
     _print_stack(st)
     applied = asyncio.run(_apply_infra(settings))
-    print(f"infra: {sum(1 for a in applied if not a.startswith('unchanged'))} declared/updated, "
-          f"{sum(1 for a in applied if a.startswith('unchanged'))} unchanged (run {settings.run_id})")
+    print(
+        f"infra: {sum(1 for a in applied if not a.startswith('unchanged'))} declared/updated, "
+        f"{sum(1 for a in applied if a.startswith('unchanged'))} unchanged (run {settings.run_id})"
+    )
     if args.detach:
         return 0
-    print("stack is up; Ctrl-C stops it" if not st.already_running else "Ctrl-C exits (the stack was already running and stays up)")
+    print(
+        "stack is up; Ctrl-C stops it"
+        if not st.already_running
+        else "Ctrl-C exits (the stack was already running and stays up)"
+    )
     stop = False
 
     def _stop(*_: object) -> None:

@@ -44,9 +44,17 @@ def _free_seaweed_base() -> int:
 def _event(run_id: str, size: int, n: int) -> Trajectory:
     """A trajectory whose encoded size is exactly `size` bytes (padded through `text`)."""
     base = Trajectory(
-        run_id=run_id, trajectory_id=f"b{size}-{n}", group_id="g0", sample_index=0, task="bench",
-        prompt_token_ids=[1, 2, 3], output_token_ids=[4, 5], logprobs=[-0.5, -0.25], finish_reason="stop",
-        version_spans=[VersionSpan(version=0, start=0, end=2)], island=ISLAND,
+        run_id=run_id,
+        trajectory_id=f"b{size}-{n}",
+        group_id="g0",
+        sample_index=0,
+        task="bench",
+        prompt_token_ids=[1, 2, 3],
+        output_token_ids=[4, 5],
+        logprobs=[-0.5, -0.25],
+        finish_reason="stop",
+        version_spans=[VersionSpan(version=0, start=0, end=2)],
+        island=ISLAND,
     )
     pad = size - len(encode_event(base))
     return Trajectory(**{**{f: getattr(base, f) for f in base.__struct_fields__}, "text": "x" * max(pad, 0)})
@@ -94,10 +102,16 @@ async def _measure(settings: StackSettings, quick: bool) -> tuple[list[dict], di
                     raw_s += raw_time
             n = per_round * rounds
             ratio = ours_s / raw_s
-            rows.append({
-                "size": label, "events": n, "raw ev/s": n / raw_s, "sprawl ev/s": n / ours_s,
-                "overhead (ours/raw)": ratio, "claim-checked": claim_checked,
-            })
+            rows.append(
+                {
+                    "size": label,
+                    "events": n,
+                    "raw ev/s": n / raw_s,
+                    "sprawl ev/s": n / ours_s,
+                    "overhead (ours/raw)": ratio,
+                    "claim-checked": claim_checked,
+                }
+            )
             summary[f"overhead_ratio_{label}"] = round(ratio, 4)
             summary[f"events_per_s_{label}"] = round(n / ours_s, 2)
             summary[f"raw_events_per_s_{label}"] = round(n / raw_s, 2)
@@ -111,11 +125,15 @@ def bench_log(quick: bool) -> tuple[list[dict], dict]:
     configure_logging("bench", fmt="json", level="WARNING")
     with tempfile.TemporaryDirectory(prefix="sprawl-bench-") as tmp:
         section = StackSection(
-            nats_port=_free_port(), nats_monitor_port=_free_port(), s3_port=_free_port(),
+            nats_port=_free_port(),
+            nats_monitor_port=_free_port(),
+            s3_port=_free_port(),
             seaweed_port_base=_free_seaweed_base(),
         )
         settings = StackSettings(
-            run_id="bench", state_dir=Path(tmp), stack=section,
+            run_id="bench",
+            state_dir=Path(tmp),
+            stack=section,
             nats=NatsSettings(url=f"nats://127.0.0.1:{section.nats_port}"),
             blobs=S3BlobSettings(endpoint_url=f"http://127.0.0.1:{section.s3_port}"),
         )

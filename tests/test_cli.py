@@ -1,0 +1,47 @@
+import io
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.blobstore import S3BlobStore
+from pipeline.sql import open_duckdb
+
+pytestmark = pytest.mark.integration
+
+
+def test_bench_log_prints_one_json_object_last():
+    result = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "bench", "log", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("overhead_ratio_1k", "overhead_ratio_64k", "events_per_s_1k", "overhead_ratio_2m"):
+        assert summary[key] > 0, key
+    assert "sprawl bench log" in result.stdout
+
+
+def test_sql_reads_parquet_from_the_blob_store(settings):
+    buffer = io.BytesIO()
+    pq.write_table(pa.table({"version": [1, 2, 3], "kl": [0.1, 0.2, 0.4]}), buffer)
+    ref = S3BlobStore(settings.blobs).put_bytes(buffer.getvalue(), key=f"t/{settings.run_id}/m.parquet")
+    con = open_duckdb(settings)
+    assert con.execute(f"select max(kl), count(*) from read_parquet('{ref.uri}')").fetchone() == (0.4, 3)
+
+
+def test_sql_command_line_prints_json_rows(settings):
+    env_args = ["--run", settings.run_id]
+    result = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "sql", "select 6 * 7 as answer", "--json", *env_args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert json.loads(result.stdout) == [{"answer": 42}]
