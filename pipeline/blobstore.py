@@ -188,8 +188,10 @@ class S3BlobStore:
         prefix: str = "cas",
         algorithm: ChecksumAlgorithm = "sha256",
     ) -> BlobRef:
-        key = key or content_key(data, prefix)
         checksum = checksum_of(data, algorithm)
+        if key is None:
+            digest = checksum if algorithm == "sha256" else checksum_of(data, "sha256")
+            key = f"{prefix.rstrip('/')}/{digest[:2]}/{digest}"
         return self._put_stream(io.BytesIO(data), len(data), key, algorithm, checksum)
 
     def put_file(self, path: Path, key: str, *, algorithm: ChecksumAlgorithm = "sha256") -> BlobRef:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 from schemas import (
@@ -19,6 +20,7 @@ from schemas import (
 _TOKEN = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 
+@functools.lru_cache(maxsize=4096)  # run and group ids repeat; append is on the hot path
 def token(value: str, what: str) -> str:
     """Validate one subject token; ids become tokens, so a dot or space would split or break a subject."""
     lowered = value.lower()

@@ -7,6 +7,7 @@ is a decode error rather than a silently ignored blob.
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 from datetime import UTC, datetime
@@ -24,6 +25,7 @@ def new_event_id() -> str:
     return uuid.uuid4().hex
 
 
+@functools.lru_cache(maxsize=256)
 def split_type(event_type: str) -> tuple[str, int]:
     """`policy_version.v2` -> (`policy_version`, 2); raises ValueError on anything else."""
     match = _TYPE_PATTERN.match(event_type)
