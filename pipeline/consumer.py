@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from pipeline.errors import ConsumerNotDeclared, PoisonEvent
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
+from pipeline.subjects import token
 from schemas import DeadLetter, Event
 
 log = get_logger(__name__)
@@ -217,9 +218,8 @@ class Consumer:
 
     async def _dead_letter(self, msg: Msg, reason: str, error_class: str, run_id: str | None) -> None:
         meta = msg.metadata
-        tokens = msg.subject.split(".")
         dead = DeadLetter(
-            run_id=run_id or (tokens[1] if len(tokens) > 1 and tokens[1] else "unknown"),
+            run_id=run_id or _run_of(msg.subject),
             reason=reason,
             error_class=error_class,
             stream=self.stream.lower(),
@@ -242,3 +242,12 @@ class Consumer:
         with contextlib.suppress(*_TRANSIENT_NATS):
             await msg.term()
         self.stats.dead_lettered += 1
+
+
+def _run_of(subject: str) -> str:
+    """The run token of `rl.<run>.…`, or `unknown`: a dead letter must never fail on a bad subject."""
+    tokens = subject.split(".")
+    try:
+        return token(tokens[1], "run_id") if len(tokens) > 1 else "unknown"
+    except ValueError:
+        return "unknown"
