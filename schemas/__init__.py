@@ -3,6 +3,7 @@
 from schemas.codec import EventDecodeError, decode_event, encode_event, known_event_types
 from schemas.envelope import Event
 from schemas.events import (
+    BlobPointer,
     ClaimCheck,
     DeadLetter,
     IslandHeartbeat,
@@ -12,6 +13,7 @@ from schemas.events import (
     Reward,
     SamplingParams,
     SkipPatch,
+    TensorDigest,
     TrainerMetrics,
     Trajectory,
     VersionConstraint,
@@ -20,6 +22,7 @@ from schemas.events import (
 )
 
 __all__ = [
+    "BlobPointer",
     "ClaimCheck",
     "DeadLetter",
     "Event",
@@ -31,6 +34,7 @@ __all__ = [
     "Reward",
     "SamplingParams",
     "SkipPatch",
+    "TensorDigest",
     "TrainerMetrics",
     "Trajectory",
     "VersionConstraint",

@@ -23,13 +23,35 @@ class Component(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 # ---------------------------------------------------------------- policy versions
 
 
+class BlobPointer(Component, kw_only=True):
+    """One immutable object in the blob store, with what it must hash to."""
+
+    uri: str
+    sha256: str
+    bytes: int
+    name: str = ""
+    """File name inside a checkpoint directory (keyframes), or the keyframe shard a patch covers."""
+
+
+class TensorDigest(Component, kw_only=True, array_like=True):
+    """One served tensor of a version: what its bits must hash to. Encoded as a JSON array (compact)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    xxh3: str
+    """xxh3-128 of the tensor's raw bytes."""
+    changed: int
+    """Elements whose bits differ from the base version (all of them for a keyframe)."""
+
+
 class SkipPatch(Component, kw_only=True):
     """A patch that jumps from an older version straight to this one (for laggards)."""
 
     base_version: int
-    manifest_uri: str
-    manifest_sha256: str
+    blobs: list[BlobPointer]
     bytes: int
+    changed_elements: int
 
 
 class ViewVersion(Component, kw_only=True):
@@ -40,13 +62,15 @@ class ViewVersion(Component, kw_only=True):
     kind: Literal["keyframe", "patch"]
     base_version: int | None
     """For a patch: the version it applies to. None for a keyframe."""
-    manifest_uri: str
-    """S3 URI of the manifest that lists tensors, blobs and checksums."""
-    manifest_sha256: str
+    blobs: list[BlobPointer]
+    """Keyframe: shards, index, config and extra files. Patch: one patch per keyframe shard."""
+    tensors: list[TensorDigest]
     root_hash: str
-    """xxh3-128 root over the per-tensor checksums of the served bits."""
+    """xxh3-128 over (name, dtype, shape, xxh3) of every tensor: one value that names these exact bits."""
     bytes: int
     """Total bytes a sampler downloads to apply this entry."""
+    changed_elements: int
+    total_elements: int
     skip_patches: list[SkipPatch] = []
 
 

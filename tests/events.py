@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from schemas import IslandIdentity, PolicyVersion, Reward, Trajectory, VersionSpan, ViewVersion
+from schemas import (
+    BlobPointer,
+    IslandIdentity,
+    PolicyVersion,
+    Reward,
+    TensorDigest,
+    Trajectory,
+    VersionSpan,
+    ViewVersion,
+)
 
 ISLAND = IslandIdentity(island_id="island-0", accelerator="cpu", view="bf16", engine="torch")
 
@@ -24,10 +33,12 @@ def policy_version(run_id: str, version: int) -> PolicyVersion:
         view="bf16",
         kind="keyframe" if version == 0 else "patch",
         base_version=None if version == 0 else version - 1,
-        manifest_uri=f"s3://sprawl/{run_id}/v{version}",
-        manifest_sha256="0" * 64,
+        blobs=[BlobPointer(uri=f"s3://sprawl/{run_id}/v{version}", sha256="0" * 64, bytes=1)],
+        tensors=[TensorDigest(name="w", dtype="BF16", shape=[1], xxh3="0" * 32, changed=1)],
         root_hash="0" * 32,
         bytes=1,
+        changed_elements=1,
+        total_elements=1,
     )
     return PolicyVersion(
         run_id=run_id,

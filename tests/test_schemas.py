@@ -7,11 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schemas import (
+    BlobPointer,
     EventDecodeError,
     IslandHeartbeat,
     IslandIdentity,
     PolicyVersion,
     Reward,
+    TensorDigest,
     Trajectory,
     VersionSpan,
     ViewVersion,
@@ -51,10 +53,12 @@ def test_policy_version_round_trip():
                 view="bf16",
                 kind="patch",
                 base_version=2,
-                manifest_uri="s3://b/m",
-                manifest_sha256="0" * 64,
+                blobs=[BlobPointer(uri="s3://b/p", sha256="0" * 64, bytes=10, name="model.safetensors")],
+                tensors=[TensorDigest(name="w", dtype="BF16", shape=[2, 3], xxh3="1" * 32, changed=1)],
                 root_hash="1" * 32,
                 bytes=10,
+                changed_elements=1,
+                total_elements=6,
             )
         ],
     )
