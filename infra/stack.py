@@ -281,9 +281,7 @@ def _start_seaweed(directory: Path, section: StackSection, s3: S3BlobSettings) -
                 "identities": [
                     {
                         "name": "sprawl",
-                        "credentials": [
-                            {"accessKey": s3.access_key_id, "secretKey": secret.get_secret_value()}
-                        ],
+                        "credentials": [{"accessKey": s3.access_key_id, "secretKey": secret.get_secret_value()}],
                         "actions": ["Admin", "Read", "Write", "List", "Tagging"],
                     }
                 ]

@@ -65,13 +65,9 @@ def consumers_for_run(run_id: str) -> tuple[ConsumerSpec, ...]:
 
     run = token(run_id, "run_id")
     return (
-        ConsumerSpec(
-            "PROMPTS", f"{run}-samplers", [prompts_subject(run)], "sampler islands share prompt groups"
-        ),
+        ConsumerSpec("PROMPTS", f"{run}-samplers", [prompts_subject(run)], "sampler islands share prompt groups"),
         ConsumerSpec("TRAJECTORIES", f"{run}-rewards", [trajectories_filter(run)], "reward workers"),
-        ConsumerSpec(
-            "TRAJECTORIES", f"{run}-trainer-traj", [trajectories_filter(run)], "trainer: trajectories"
-        ),
+        ConsumerSpec("TRAJECTORIES", f"{run}-trainer-traj", [trajectories_filter(run)], "trainer: trajectories"),
         ConsumerSpec("REWARDS", f"{run}-trainer-rewards", [rewards_filter(run)], "trainer: rewards"),
         *tuple(
             ConsumerSpec(

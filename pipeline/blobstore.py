@@ -268,9 +268,7 @@ class S3BlobStore:
     def list_keys(self, prefix: str) -> list[str]:
         paginator = self._client.get_paginator("list_objects_v2")
         keys: list[str] = []
-        pages = self._call(
-            prefix, self.bucket, lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=prefix))
-        )
+        pages = self._call(prefix, self.bucket, lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=prefix)))
         for page in pages:
             keys.extend(obj["Key"] for obj in page.get("Contents", []))
         return keys
@@ -285,9 +283,7 @@ class S3BlobStore:
             self._call(self.uri(""), self.bucket, self._client.create_bucket, Bucket=self.bucket)
 
 
-def _stream_to_file(
-    uri: str, chunks: Iterator[bytes], path: Path, algorithm: ChecksumAlgorithm, want: str
-) -> BlobRef:
+def _stream_to_file(uri: str, chunks: Iterator[bytes], path: Path, algorithm: ChecksumAlgorithm, want: str) -> BlobRef:
     """Write to a temp file beside `path`, verify, then rename: a reader never sees a partial blob."""
     path.parent.mkdir(parents=True, exist_ok=True)
     hasher = _Hasher(algorithm)
@@ -333,9 +329,7 @@ class LocalBlobStore:
         algorithm: ChecksumAlgorithm = "sha256",
     ) -> BlobRef:
         key = key or content_key(data, prefix)
-        ref = _stream_to_file(
-            self.uri(key), iter([data]), self.root / key, algorithm, checksum_of(data, algorithm)
-        )
+        ref = _stream_to_file(self.uri(key), iter([data]), self.root / key, algorithm, checksum_of(data, algorithm))
         self._write_meta(self.root / key, ref)
         return ref
 
@@ -360,9 +354,7 @@ class LocalBlobStore:
         if not path.is_file():
             raise BlobNotFound(uri)
         meta_path = Path(f"{path}.meta")
-        metadata = (
-            dict(line.split("=", 1) for line in meta_path.read_text().split()) if meta_path.exists() else {}
-        )
+        metadata = dict(line.split("=", 1) for line in meta_path.read_text().split()) if meta_path.exists() else {}
 
         def chunks() -> Iterator[bytes]:
             with open(path, "rb") as fh:
@@ -390,6 +382,4 @@ class LocalBlobStore:
     def list_keys(self, prefix: str) -> list[str]:
         base = self.root / prefix
         candidates = base.rglob("*") if base.is_dir() else self.root.rglob(f"{prefix}*")
-        return sorted(
-            str(p.relative_to(self.root)) for p in candidates if p.is_file() and not p.name.endswith(".meta")
-        )
+        return sorted(str(p.relative_to(self.root)) for p in candidates if p.is_file() and not p.name.endswith(".meta"))

@@ -116,6 +116,30 @@ class StreamSettings(Section):
     """Unacked messages a consumer may have out at once (flow control)."""
 
 
+class ChainSettings(Section):
+    views: list[str] = ["bf16"]
+    """Served views the trainer publishes for every version (e.g. `bf16`, `fp8_e4m3`)."""
+    keyframe_every: int = 20
+    """A full keyframe every K versions (and at version 0); patches in between."""
+    skip_distances: list[int] = []
+    """Also publish skip-patches v-k -> v for these k, so laggards catch up in one hop (costs k views of memory)."""
+    max_shard_bytes: int = 2 * 1024**3
+    """Largest safetensors shard of a keyframe; patches are cut along the same shards."""
+    chunk_elements: int = 1 << 22
+    """Elements per codec chunk (the unit of parallel work and of buffer memory)."""
+    zstd_level: int = 3
+    """zstd level for patch streams (chosen by `sprawl bench delta`)."""
+
+
+class MaterializeSettings(Section):
+    cache_dir: Path = Path(".sprawl/versions")
+    """Where materialized versions live, one HF-layout directory per version."""
+    keep_versions: int = 3
+    """Materialized versions kept on disk; older ones are garbage-collected."""
+    wait_for_version_s: float = 60.0
+    """How long to wait for a version that is not in the log yet."""
+
+
 class SprawlSettings(BaseSettings):
     """Settings every worker shares. Workers subclass this and add their own section."""
 

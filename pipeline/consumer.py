@@ -154,9 +154,7 @@ class Consumer:
     async def handle(self, msg: Msg) -> None:
         meta = msg.metadata
         seq, delivered = meta.sequence.stream, meta.num_delivered
-        with structlog.contextvars.bound_contextvars(
-            stream_seq=seq, subject=msg.subject, consumer=self.durable
-        ):
+        with structlog.contextvars.bound_contextvars(stream_seq=seq, subject=msg.subject, consumer=self.durable):
             try:
                 event = await self.log.resolve(msg.data)
             except PoisonEvent as exc:

@@ -82,9 +82,7 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
     async def on_error(exc: Exception) -> None:
         log.warning("nats client error", error=str(exc))
 
-    await nc.connect(
-        disconnected_cb=on_disconnected, reconnected_cb=on_reconnected, error_cb=on_error, **options
-    )
+    await nc.connect(disconnected_cb=on_disconnected, reconnected_cb=on_reconnected, error_cb=on_error, **options)
     return nc
 
 
@@ -155,9 +153,7 @@ class EventLog:
             if ack is None:
                 raise
         if ack.duplicate:
-            log.info(
-                "append deduplicated", subject=subject, msg_id=headers["Nats-Msg-Id"], stream_seq=ack.seq
-            )
+            log.info("append deduplicated", subject=subject, msg_id=headers["Nats-Msg-Id"], stream_seq=ack.seq)
         return AppendResult(
             subject=subject,
             stream=ack.stream,
@@ -197,16 +193,12 @@ class EventLog:
         )
         return encode_event(claim)
 
-    async def _publish_with_retries(
-        self, subject: str, data: bytes, headers: dict[str, str], expected_seq: int | None
-    ):
+    async def _publish_with_retries(self, subject: str, data: bytes, headers: dict[str, str], expected_seq: int | None):
         delay = self.settings.publish_backoff_s
         last_error: Exception | None = None
         for attempt in range(1, self.settings.publish_attempts + 1):
             try:
-                return await self.js.publish(
-                    subject, data, headers=headers, timeout=self.settings.publish_timeout_s
-                )
+                return await self.js.publish(subject, data, headers=headers, timeout=self.settings.publish_timeout_s)
             except nats.js.errors.APIError as exc:
                 if exc.err_code in (_ERR_WRONG_LAST_SEQUENCE, _ERR_WRONG_LAST_MSG_ID):
                     raise AppendConflict(subject, expected_seq or 0, exc.description or str(exc)) from exc

@@ -191,9 +191,7 @@ def _maybe_compress(zstd: _Zstd, data: bytes) -> tuple[bytes, bool]:
 # ---------------------------------------------------------------- one chunk
 
 
-def _encode_chunk(
-    zstd: _Zstd, start: int, base: np.ndarray | None, target: np.ndarray
-) -> tuple[dict, list[bytes]]:
+def _encode_chunk(zstd: _Zstd, start: int, base: np.ndarray | None, target: np.ndarray) -> tuple[dict, list[bytes]]:
     n = len(target)
     if base is None:  # no base: the chunk is all new
         data, packed = _maybe_compress(zstd, _planes(target))
@@ -216,9 +214,7 @@ def _encode_chunk(
             pos_streams, pos_kind, pos_packed, k, unary_bits = [bitmap, b""], "bitmap", [packed, False], 0, 0
         xor_vals = _maybe_compress(zstd, _planes(base[positions] ^ target[positions]))
         raw_vals = _maybe_compress(zstd, _planes(target[positions]))
-        (vals, vals_packed), kind = (
-            (xor_vals, "xor") if len(xor_vals[0]) <= len(raw_vals[0]) else (raw_vals, "raw")
-        )
+        (vals, vals_packed), kind = (xor_vals, "xor") if len(xor_vals[0]) <= len(raw_vals[0]) else (raw_vals, "raw")
         streams = [*pos_streams, vals]
         entry = _entry(
             start,
@@ -243,9 +239,7 @@ def _encode_chunk(
     return entry, streams
 
 
-def _entry(
-    start, length, encoding, positions, values, changed, sizes, compressed, rice_k=0, unary_bits=0
-) -> dict:
+def _entry(start, length, encoding, positions, values, changed, sizes, compressed, rice_k=0, unary_bits=0) -> dict:
     return {
         "start": start,
         "length": length,
@@ -260,9 +254,7 @@ def _entry(
     }
 
 
-def _apply_chunk(
-    zstd: _Zstd, chunk: ChunkEntry, payload: memoryview, out: np.ndarray, dtype: np.dtype
-) -> None:
+def _apply_chunk(zstd: _Zstd, chunk: ChunkEntry, payload: memoryview, out: np.ndarray, dtype: np.dtype) -> None:
     """Apply one chunk to `out` (which holds the base bits of this chunk) in place."""
     if chunk.encoding == "same":
         return
@@ -314,11 +306,15 @@ def encode(
     """Encode `target` as changes against `base` (None: every tensor is new)."""
     zstd = _Zstd(level)
     jobs = []
+    bases: dict[str, TensorBits] = {}
     for name in sorted(target):
         tgt = target[name]
         old = base.get(name) if base is not None else None
-        if old is not None and (old.dtype != tgt.dtype or tuple(old.shape) != tuple(tgt.shape)):
-            old = None  # a changed dtype or shape is a new tensor: ship it whole
+        # A changed dtype or shape is a new tensor: ship it whole.
+        if old is not None and old.dtype == tgt.dtype and tuple(old.shape) == tuple(tgt.shape):
+            bases[name] = old
+        else:
+            old = None
         for start in range(0, max(len(tgt.bits), 1), chunk_elements):
             end = min(start + chunk_elements, len(tgt.bits))
             jobs.append((name, start, None if old is None else old.bits[start:end], tgt.bits[start:end]))
@@ -334,7 +330,9 @@ def encode(
     finally:
         if own_pool:
             pool.shutdown()
-    checksums = dict(zip(sorted(target), pool_map_checksums(base, target), strict=True))
+    checksums = {
+        name: (checksum(bases[name].bits) if name in bases else "", checksum(target[name].bits)) for name in target
+    }
     payload: list[bytes] = []
     offset = 0
     chunks_by_tensor: dict[str, list[ChunkEntry]] = {name: [] for name in target}
@@ -370,17 +368,6 @@ def encode(
         )
     )
     return b"".join([_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header)), header, *payload])
-
-
-def pool_map_checksums(
-    base: dict[str, TensorBits] | None, target: dict[str, TensorBits]
-) -> list[tuple[str, str]]:
-    out = []
-    for name in sorted(target):
-        old = base.get(name) if base is not None else None
-        base_sum = checksum(old.bits) if old is not None else ""
-        out.append((base_sum, checksum(target[name].bits)))
-    return out
 
 
 def read_header(patch: bytes | memoryview) -> tuple[PatchHeader, memoryview]:
@@ -442,7 +429,13 @@ def apply_tensor(
         raise PatchFormatError(f"tensor {entry.name}: base has {len(out)} elements, patch expects {numel}")
     zstd = _Zstd(ZSTD_LEVEL)
     for chunk in entry.chunks:
-        _apply_chunk(zstd, chunk, payload, out, dtype)
+        try:
+            _apply_chunk(zstd, chunk, payload, out, dtype)
+        except PatchFormatError:
+            raise
+        except (zstandard.ZstdError, ValueError, IndexError) as exc:
+            # Damaged streams surface as decoder errors; they mean one thing: this patch is unusable.
+            raise PatchFormatError(f"tensor {entry.name}, chunk at {chunk.start}: damaged stream ({exc})") from exc
     if verify:
         actual = checksum(out)
         if actual != entry.target_checksum:

@@ -70,9 +70,7 @@ def quantize_fp8_block(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[to
     return quantized, scale.contiguous()
 
 
-def dequantize_fp8_block(
-    quantized: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK
-) -> torch.Tensor:
+def dequantize_fp8_block(quantized: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     rows, cols = quantized.shape
     expanded = scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
     return quantized.to(torch.float32) * expanded

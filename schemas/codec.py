@@ -59,9 +59,7 @@ def decode_event(data: bytes) -> Event:
                 hint = f"; this consumer knows {', '.join(sorted(newer))}: upgrade it to read v{version}"
         except ValueError:
             pass
-        raise EventDecodeError(
-            "unknown_type", f"unknown event type {probe.type!r}{hint} (known: {known})", probe.type
-        )
+        raise EventDecodeError("unknown_type", f"unknown event type {probe.type!r}{hint} (known: {known})", probe.type)
     try:
         event = _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

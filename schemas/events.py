@@ -209,9 +209,7 @@ class Reward(Event, kw_only=True, tag="reward.v1"):
         super().__post_init__()
         # JSON has no Inf/NaN (they would encode as null and fail to decode): refuse at the producer.
         if not math.isfinite(self.value) or not all(math.isfinite(v) for v in self.components.values()):
-            raise ValueError(
-                f"reward for {self.trajectory_id} is not finite: {self.value}, {self.components}"
-            )
+            raise ValueError(f"reward for {self.trajectory_id} is not finite: {self.value}, {self.components}")
 
     def business_key(self) -> str:
         return f"reward.{self.trajectory_id}"

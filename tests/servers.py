@@ -30,9 +30,7 @@ def free_seaweed_base() -> int:
 
 
 # Short timers so redelivery happens within a test, not after 30 s.
-TEST_STREAMS = StreamSettings(
-    ack_wait_s=2.0, backoff_s=[2.0, 2.0, 2.0], max_deliver=4, duplicate_window_s=120.0
-)
+TEST_STREAMS = StreamSettings(ack_wait_s=2.0, backoff_s=[2.0, 2.0, 2.0], max_deliver=4, duplicate_window_s=120.0)
 
 
 def stack_settings(state_dir: Path, run_id: str = "test") -> StackSettings:

@@ -71,9 +71,7 @@ def test_missing_key_bucket_and_bad_credentials_are_typed(blobs, settings):
     assert not blobs.exists(blobs.uri("no/such/key"))
     with pytest.raises(BucketNotFound, match="no-such-bucket"):
         S3BlobStore(settings.blobs.model_copy(update={"bucket": "no-such-bucket"})).put_bytes(b"x")
-    bad = S3BlobStore(
-        settings.blobs.model_copy(update={"secret_access_key": SecretStr("wrong"), "max_attempts": 1})
-    )
+    bad = S3BlobStore(settings.blobs.model_copy(update={"secret_access_key": SecretStr("wrong"), "max_attempts": 1}))
     with pytest.raises(BlobAccessDenied, match="SPRAWL_BLOBS__SECRET_ACCESS_KEY"):
         bad.get_bytes(blobs.uri("anything"))
 
@@ -81,9 +79,7 @@ def test_missing_key_bucket_and_bad_credentials_are_typed(blobs, settings):
 def test_list_keys_under_a_prefix(blobs, settings):
     for i in range(3):
         blobs.put_bytes(bytes([i]), key=f"t/{settings.run_id}/list/{i}")
-    assert blobs.list_keys(f"t/{settings.run_id}/list/") == [
-        f"t/{settings.run_id}/list/{i}" for i in range(3)
-    ]
+    assert blobs.list_keys(f"t/{settings.run_id}/list/") == [f"t/{settings.run_id}/list/{i}" for i in range(3)]
 
 
 def test_local_backend_verifies_too(tmp_path):

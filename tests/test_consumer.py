@@ -13,9 +13,7 @@ pytestmark = pytest.mark.integration
 
 
 def _consumer(event_log, settings, handler, **kwargs) -> Consumer:
-    return Consumer(
-        event_log, "TRAJECTORIES", f"{settings.run_id}-rewards", handler, fetch_timeout_s=0.2, **kwargs
-    )
+    return Consumer(event_log, "TRAJECTORIES", f"{settings.run_id}-rewards", handler, fetch_timeout_s=0.2, **kwargs)
 
 
 async def test_binding_an_undeclared_consumer_fails_with_the_fix(event_log):
@@ -32,9 +30,7 @@ async def test_poison_messages_are_dead_lettered_with_reason_and_the_stream_move
     subject = f"rl.{settings.run_id}.traj.g0"
     garbage = await event_log.js.publish(subject, b"\x00not an event")
     unknown = await event_log.js.publish(subject, json.dumps({"type": "mystery.v1", "run_id": "x"}).encode())
-    invalid = await event_log.js.publish(
-        subject, json.dumps({"type": "trajectory.v1", "run_id": "x"}).encode()
-    )
+    invalid = await event_log.js.publish(subject, json.dumps({"type": "trajectory.v1", "run_id": "x"}).encode())
     good = trajectory(settings.run_id, "after-the-poison", 3)
     await event_log.append(good)
     handled: list[str] = []
@@ -137,7 +133,5 @@ async def test_rewards_consumer_is_separate_from_the_trainers(event_log, setting
     async def handler(delivery: Delivery) -> None:
         got.append(delivery.event.trajectory_id)
 
-    consumer = Consumer(
-        event_log, "REWARDS", f"{settings.run_id}-trainer-rewards", handler, fetch_timeout_s=0.2
-    )
+    consumer = Consumer(event_log, "REWARDS", f"{settings.run_id}-trainer-rewards", handler, fetch_timeout_s=0.2)
     await run_until(consumer, lambda: got == ["traj-1"])

@@ -42,9 +42,7 @@ async def test_second_create_only_publish_of_a_version_is_refused(event_log, set
 
 async def test_version_chain_is_fenced_on_the_previous_version(event_log, settings):
     fence = policy_filter(settings.run_id)
-    v0 = await event_log.append(
-        policy_version(settings.run_id, 0), expected_last_subject_seq=0, fence_subject=fence
-    )
+    v0 = await event_log.append(policy_version(settings.run_id, 0), expected_last_subject_seq=0, fence_subject=fence)
     v1_event = policy_version(settings.run_id, 1)
     v1 = await event_log.append(v1_event, expected_last_subject_seq=v0.seq, fence_subject=fence)
     # A second trainer that still believes v0 is the head cannot append its own v1 or a v2.
@@ -96,16 +94,11 @@ async def test_replay_from_a_sequence_and_from_a_time(event_log, settings):
     assert [r.event.trajectory_id for r in everything] == [f"replay-{n}" for n in range(5)]
     tail = [
         r
-        async for r in replay(
-            event_log, "TRAJECTORIES", trajectories_filter(settings.run_id), start_seq=results[3].seq
-        )
+        async for r in replay(event_log, "TRAJECTORIES", trajectories_filter(settings.run_id), start_seq=results[3].seq)
     ]
     assert [r.stream_seq for r in tail] == [results[3].seq, results[4].seq]
     at = everything[3].event.produced_at
-    since = [
-        r
-        async for r in replay(event_log, "TRAJECTORIES", trajectories_filter(settings.run_id), start_time=at)
-    ]
+    since = [r async for r in replay(event_log, "TRAJECTORIES", trajectories_filter(settings.run_id), start_time=at)]
     assert [r.event.trajectory_id for r in since][-2:] == ["replay-3", "replay-4"]
     nothing = [r async for r in replay(event_log, "TRAJECTORIES", f"rl.{settings.run_id}.traj.nobody")]
     assert nothing == []

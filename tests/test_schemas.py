@@ -170,9 +170,7 @@ def test_v1_heartbeat_is_read_as_v2():
     new = decode_event(encode_event(old))
     assert isinstance(new, IslandHeartbeat)
     assert new.schema_version == 2
-    assert new.island == IslandIdentity(
-        island_id="isl-7", accelerator="H100-80GB", view="fp8_e4m3", engine="vllm"
-    )
+    assert new.island == IslandIdentity(island_id="isl-7", accelerator="H100-80GB", view="fp8_e4m3", engine="vllm")
     assert (new.event_id, new.current_version, new.produced_at) == (old.event_id, 12, old.produced_at)
 
 

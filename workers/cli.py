@@ -14,9 +14,7 @@ from pipeline.errors import SprawlError
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=None, help="TOML settings file (else SPRAWL_CONFIG)")
-    parser.add_argument(
-        "--run", dest="run_id", default=None, help="run id (else SPRAWL_RUN_ID, default 'local')"
-    )
+    parser.add_argument("--run", dest="run_id", default=None, help="run id (else SPRAWL_RUN_ID, default 'local')")
     parser.add_argument("--state-dir", type=Path, default=None, help="state folder (default .sprawl)")
 
 
