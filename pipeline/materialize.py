@@ -128,14 +128,12 @@ class Materializer:
         close below it); returns the lowest version the planner may start from."""
         cached = set(self.cached_versions())
         v = version
-        while True:
-            entry = self._view_of(await self._event(v))
-            if entry.kind == "keyframe" or v in cached or v == 0:
-                break
+        # Always down to the nearest keyframe: it is the fallback when a patch route breaks.
+        while self._view_of(await self._event(v)).kind != "keyframe" and v > 0:
             v -= 1
         lowest = v
         below = [c for c in cached if lowest - MAX_WALK_BACK <= c < lowest]
-        if below and v not in cached:
+        if below:
             for w in range(max(below), lowest):
                 await self._event(w)
             lowest = max(below)

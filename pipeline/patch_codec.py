@@ -97,7 +97,7 @@ class TensorBits:
 def _rice_parameter(gaps: np.ndarray, n: int, count: int) -> tuple[int, int]:
     """Best Rice k near the geometric optimum, by exact total bit count."""
     mean = max(float(n - count) / max(count, 1), 1e-9)
-    guess = max(0, int(round(math.log2(max(mean * math.log(2), 1.0)))))
+    guess = max(0, round(math.log2(max(mean * math.log(2), 1.0))))
     best_k, best_bits = 0, None
     for k in range(max(0, guess - 1), guess + 2):
         bits = int((gaps >> k).sum()) + count * (k + 1)

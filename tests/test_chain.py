@@ -1,0 +1,197 @@
+"""The version chain end to end: publish through ChainPublisher, materialize through Materializer."""
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import Qwen3MoeForCausalLM
+
+from pipeline.blobstore import S3BlobStore
+from pipeline.chain_publish import VersionOutOfOrder
+from pipeline.errors import AppendConflict
+from pipeline.materialize import MaterializeError, verify_directory
+from pipeline.version_log import VersionNotAvailable
+from tests.chain_helpers import expected_root, materializer, publisher
+from tests.tiny_models import adam_like_step, tiny_moe
+
+pytestmark = pytest.mark.integration
+
+
+async def _publish_chain(event_log, settings, versions: int, lr: float = 1e-5, **chain):
+    model = tiny_moe()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    pub = publisher(event_log, settings, model, **chain)
+    gen = torch.Generator().manual_seed(1)
+    roots, events = [], []
+    for v in range(versions):
+        if v:
+            adam_like_step(state, lr, gen)
+        events.append(await pub.publish(v, state))
+        roots.append({view: expected_root(state, view) for view in chain.get("views", ["bf16"])})
+    pub.close()
+    return model, state, roots, events
+
+
+async def test_twenty_versions_materialize_bit_exact_along_every_route(event_log, settings, tmp_path):
+    views = ["bf16", "fp8_e4m3"]
+    _, _, roots, events = await _publish_chain(
+        event_log, settings, 20, views=views, keyframe_every=7, skip_distances=[4]
+    )
+    for v, event in enumerate(events):
+        for entry in event.views:
+            assert entry.root_hash == roots[v][entry.view]
+            assert entry.kind == ("keyframe" if v % 7 == 0 else "patch")
+            if entry.kind == "patch":
+                assert 0 < entry.changed_elements < entry.total_elements
+                assert entry.bytes < 0.5 * events[v - v % 7].views[views.index(entry.view)].bytes
+    assert [s.base_version for s in events[9].views[0].skip_patches] == [5]
+
+    # A follower that materializes every version: each step is one patch from its cache.
+    follower = materializer(event_log, settings, tmp_path / "follower", view="fp8_e4m3")
+    for v in range(20):
+        got = await follower.materialize(v)
+        assert got.root_hash == roots[v]["fp8_e4m3"] == verify_directory(got.path)
+        if v % 7:
+            assert got.route == f"cache:v{v - 1} -> patch:v{v}"
+    assert follower.current() == follower.path_of(19)
+    assert len(follower.cached_versions()) == 3  # keep_versions
+
+    # A fresh sampler: nearest keyframe, then the cheapest mix of patches and skip-patches.
+    fresh = materializer(event_log, settings, tmp_path / "fresh")
+    got = await fresh.materialize(19)
+    assert got.route.startswith("keyframe:v14")
+    assert verify_directory(got.path) == roots[19]["bf16"]
+    assert (got.path / "generation_config.json").exists()
+
+    # A laggard at v3 catches up to v12: walking patches from its cache beats a keyframe download.
+    laggard = materializer(event_log, settings, tmp_path / "laggard")
+    await laggard.materialize(3)
+    got = await laggard.materialize(12)
+    assert verify_directory(got.path) == roots[12]["bf16"]
+    assert got.route.startswith(("cache:v3", "keyframe:v7"))
+    patch_bytes = sum(events[v].views[0].bytes for v in range(4, 13))
+    assert got.downloaded_bytes <= patch_bytes
+
+
+async def test_materialized_keyframe_generates_like_the_in_memory_model(event_log, settings, tmp_path):
+    model, state, _, _ = await _publish_chain(event_log, settings, 3, keyframe_every=2)
+    got = await materializer(event_log, settings, tmp_path).materialize(2)
+    loaded = Qwen3MoeForCausalLM.from_pretrained(got.path, dtype=torch.bfloat16).eval()
+    model.load_state_dict(state)
+    reference = model.to(torch.bfloat16).eval()
+    prompt = torch.tensor([[1, 5, 9, 17, 33]])
+    with torch.no_grad():
+        a = reference.generate(prompt, max_new_tokens=12, do_sample=False)
+        b = loaded.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(a, b)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, reference.state_dict()[name]), name
+
+
+def _tamper(settings, uri: str) -> None:
+    blobs = S3BlobStore(settings.blobs)
+    bucket, key = uri.removeprefix("s3://").split("/", 1)
+    head = blobs.client.head_object(Bucket=bucket, Key=key)
+    body = bytearray(blobs.client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    blobs.client.put_object(Bucket=bucket, Key=key, Body=bytes(body), Metadata=head["Metadata"])
+
+
+def _delete(settings, uri: str) -> str:
+    bucket, key = uri.removeprefix("s3://").split("/", 1)
+    S3BlobStore(settings.blobs).client.delete_object(Bucket=bucket, Key=key)
+    return key
+
+
+async def test_corrupt_patch_is_refetched_then_the_keyframe_route_taken(event_log, settings, tmp_path):
+    _, _, roots, events = await _publish_chain(event_log, settings, 5, keyframe_every=3)
+    sampler = materializer(event_log, settings, tmp_path)
+    await sampler.materialize(1)
+    _tamper(settings, events[2].views[0].blobs[0].uri)
+    # Cheapest is cache:v1 -> v2 -> v3 -> v4; v2's patch is corrupt, so the keyframe at v3 is used.
+    got = await sampler.materialize(4)
+    assert got.route == "keyframe:v3 -> patch:v4"
+    assert verify_directory(got.path) == roots[4]["bf16"]
+    # Where no other route exists, the error names the corrupt blob.
+    with pytest.raises(MaterializeError, match="corrupt after a refetch") as info:
+        await sampler.materialize(2)
+    assert events[2].views[0].blobs[0].uri in str(info.value)
+
+
+async def test_missing_blobs_are_named(event_log, settings, tmp_path):
+    _, _, _, events = await _publish_chain(event_log, settings, 5, keyframe_every=3)
+    patch_key = _delete(settings, events[2].views[0].blobs[0].uri)
+    with pytest.raises(MaterializeError, match=patch_key):
+        await materializer(event_log, settings, tmp_path / "a").materialize(2)
+    shard = next(b for b in events[3].views[0].blobs if b.name.endswith(".safetensors"))
+    keyframe_key = _delete(settings, shard.uri)
+    with pytest.raises(MaterializeError, match=keyframe_key):
+        await materializer(event_log, settings, tmp_path / "b").materialize(4)
+
+
+async def test_second_trainer_cannot_fork_the_chain(event_log, settings):
+    model = tiny_moe()
+    state = model.state_dict()
+    first = publisher(event_log, settings, model)
+    await first.publish(0, state)
+    rival = publisher(event_log, settings, model)
+    await rival.open()
+    await first.publish(1, state)
+    with pytest.raises(AppendConflict, match="second trainer"):
+        await rival.publish(1, state)
+    with pytest.raises(VersionOutOfOrder, match="head is 1"):
+        await first.publish(3, state)
+
+
+async def test_a_version_not_in_the_log_is_waited_for(event_log, settings, tmp_path):
+    model = tiny_moe()
+    pub = publisher(event_log, settings, model)
+    await pub.publish(0, model.state_dict())
+    sampler = materializer(event_log, settings, tmp_path, wait_for_version_s=0.5)
+    with pytest.raises(VersionNotAvailable, match="version 1"):
+        await sampler.materialize(1)
+    patient = materializer(event_log, settings, tmp_path, wait_for_version_s=30)
+    waiting = asyncio.create_task(patient.materialize(1))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    await pub.publish(1, model.state_dict())
+    assert (await waiting).version == 1
+
+
+async def test_two_processes_materializing_into_one_cache(event_log, settings, tmp_path):
+    _, _, roots, _ = await _publish_chain(event_log, settings, 5, keyframe_every=10)
+    env = {
+        "SPRAWL_RUN_ID": settings.run_id,
+        "SPRAWL_NATS__URL": settings.nats.url,
+        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+    }
+    cmd = [sys.executable, "-m", "tests.materialize_proc", str(tmp_path / "shared"), "4"]
+    import os
+
+    procs = [subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert {o["root_hash"] for o in outputs} == {roots[4]["bf16"]}
+    assert sorted(o["downloaded_bytes"] == 0 for o in outputs) == [False, True]  # the second found it done
+    cache = tmp_path / "shared" / settings.run_id / "bf16"
+    assert sorted(p.name for p in cache.iterdir() if not p.name.startswith(".lock")) == ["current", "v00000004"]
+
+
+async def test_a_cached_base_that_does_not_match_is_refused(event_log, settings, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, _, roots, _ = await _publish_chain(event_log, settings, 3, keyframe_every=10)
+    sampler = materializer(event_log, settings, tmp_path)
+    cached = await sampler.materialize(1)
+    shard = next(cached.path.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1  # one served value silently different on disk
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    got = await sampler.materialize(2)
+    assert got.route.startswith("keyframe:v0")
+    assert verify_directory(got.path) == roots[2]["bf16"]
