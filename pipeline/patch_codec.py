@@ -448,6 +448,7 @@ def apply(
     base: dict[str, TensorBits] | None,
     *,
     inplace: bool = False,
+    verify_base: bool = True,
     pool: ThreadPoolExecutor | None = None,
 ) -> dict[str, TensorBits]:
     """Apply a whole patch; every tensor's base and target checksums are verified.
@@ -458,7 +459,8 @@ def apply(
 
     def one(entry: TensorEntry) -> tuple[str, TensorBits]:
         old = base.get(entry.name) if base is not None else None
-        bits = apply_tensor(entry, payload, None if old is None else old.bits, inplace=inplace)
+        bits = apply_tensor(entry, payload, None if old is None else old.bits, inplace=inplace,
+                            verify_base=verify_base)
         return entry.name, TensorBits(entry.dtype, tuple(entry.shape), bits)
 
     own_pool = pool is None

@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-BENCHES = ("log",)
+BENCHES = ("log", "delta")
 
 
 def run_bench(name: str, *, quick: bool, as_json: bool) -> int:
@@ -15,6 +15,10 @@ def run_bench(name: str, *, quick: bool, as_json: bool) -> int:
         from workers.bench.log_bench import bench_log
 
         rows, summary = bench_log(quick=quick)
+    elif name == "delta":
+        from workers.bench.delta_bench import bench_delta
+
+        rows, summary = bench_delta(quick=quick)
     else:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHES)}")
     console = Console()
