@@ -235,7 +235,7 @@ class ChainPublisher:
                 pool=self._pool,
             )
             header, _ = patch_codec.read_header(patch)
-            changed.update({t.name: t.changed for t in header.tensors})
+            changed.update({t.name: t.changed for g in header.groups for t in g.tensors})
             ref = self.blobs.put_bytes(patch, key=f"{prefix}/{shard.removesuffix('.safetensors')}.sprp")
             pointers.append(BlobPointer(uri=ref.uri, sha256=ref.checksum, bytes=ref.bytes, name=shard))
         return pointers, changed

@@ -312,14 +312,15 @@ class Materializer:
         path.unlink()
         try:
             header, payload = patch_codec.read_header(data)
-            for entry in header.tensors:
-                current = tensors.get(entry.name)
-                if current is None:
-                    raise _EdgeFailed(
-                        edge, None, f"patch v{edge.base}->v{edge.target} names unknown tensor {entry.name}"
-                    )
-                bits = to_bits(current)
-                patch_codec.apply_tensor(entry, payload, bits, inplace=True, verify_base=verify_base)
+            unknown = set(header.tensor_names()) - set(tensors)
+            if unknown:
+                raise _EdgeFailed(
+                    edge, None, f"patch v{edge.base}->v{edge.target} names unknown tensors {sorted(unknown)[:3]}"
+                )
+            # to_bits gives views of the loaded tensors, so the in-place apply updates them.
+            bits = {name: to_bits(tensor) for name, tensor in tensors.items()}
+            for group in header.groups:
+                patch_codec.apply_group(group, payload, bits, inplace=True, verify_base=verify_base)
         except patch_codec.ChecksumMismatch as exc:
             if exc.which == "base":
                 raise _EdgeFailed(

@@ -65,11 +65,21 @@ class ChunkEntry(msgspec.Struct, frozen=True, array_like=True):
 
 class TensorEntry(msgspec.Struct, frozen=True):
     name: str
-    dtype: str
     shape: list[int]
+    offset: int
+    """Where the tensor starts in its group's flat element array."""
     base_checksum: str
     target_checksum: str
     changed: int
+
+
+class GroupEntry(msgspec.Struct, frozen=True):
+    """Tensors of one dtype coded as one flat array: small tensors share chunks, a large one is chunked."""
+
+    dtype: str
+    elements: int
+    has_base: bool
+    tensors: list[TensorEntry]
     chunks: list[ChunkEntry]
 
 
@@ -78,8 +88,11 @@ class PatchHeader(msgspec.Struct, frozen=True):
     view: str
     base_version: int
     target_version: int
-    tensors: list[TensorEntry]
+    groups: list[GroupEntry]
     payload_bytes: int
+
+    def tensor_names(self) -> list[str]:
+        return [t.name for g in self.groups for t in g.tensors]
 
 
 @dataclass(frozen=True)
@@ -292,6 +305,34 @@ def _apply_chunk(zstd: _Zstd, chunk: ChunkEntry, payload: memoryview, out: np.nd
 # ---------------------------------------------------------------- whole patches
 
 
+def _plan_groups(
+    base: dict[str, TensorBits] | None, target: dict[str, TensorBits], chunk_elements: int
+) -> list[tuple[str, bool, list[str]]]:
+    """(dtype, has_base, names): same-dtype tensors packed up to a chunk; larger tensors alone."""
+    keyed = []
+    for name, tgt in target.items():
+        old = base.get(name) if base is not None else None
+        # A changed dtype or shape is a new tensor: ship it whole.
+        has_base = old is not None and old.dtype == tgt.dtype and tuple(old.shape) == tuple(tgt.shape)
+        keyed.append((tgt.dtype, has_base, name))
+    groups: list[tuple[str, bool, list[str]]] = []
+    size = 0
+    for dtype, has_base, name in sorted(keyed):
+        n = len(target[name].bits)
+        last = groups[-1] if groups else None
+        if last is None or (last[0], last[1]) != (dtype, has_base) or size + n > chunk_elements or n > chunk_elements:
+            groups.append((dtype, has_base, [name]))
+            size = n
+        else:
+            last[2].append(name)
+            size += n
+    return groups
+
+
+def _flat(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
 def encode(
     base: dict[str, TensorBits] | None,
     target: dict[str, TensorBits],
@@ -305,68 +346,74 @@ def encode(
 ) -> bytes:
     """Encode `target` as changes against `base` (None: every tensor is new)."""
     zstd = _Zstd(level)
+    plan = _plan_groups(base, target, chunk_elements)
+    flats = []
     jobs = []
-    bases: dict[str, TensorBits] = {}
-    for name in sorted(target):
-        tgt = target[name]
-        old = base.get(name) if base is not None else None
-        # A changed dtype or shape is a new tensor: ship it whole.
-        if old is not None and old.dtype == tgt.dtype and tuple(old.shape) == tuple(tgt.shape):
-            bases[name] = old
-        else:
-            old = None
-        for start in range(0, max(len(tgt.bits), 1), chunk_elements):
-            end = min(start + chunk_elements, len(tgt.bits))
-            jobs.append((name, start, None if old is None else old.bits[start:end], tgt.bits[start:end]))
+    for g, (_, has_base, names) in enumerate(plan):
+        tgt = _flat([target[n].bits for n in names])
+        old = _flat([base[n].bits for n in names]) if has_base and base is not None else None
+        flats.append((old, tgt))
+        starts = np.cumsum([0] + [len(target[n].bits) for n in names[:-1]])
+        for start in range(0, max(len(tgt), 1), chunk_elements):
+            end = min(start + chunk_elements, len(tgt))
+            jobs.append((g, start, end, starts if len(names) > 1 else None))
 
-    def run(job: tuple) -> tuple[dict, list[bytes]]:
-        _, start, b, t = job
-        return _encode_chunk(zstd, start, b, t)
+    def run(job: tuple) -> tuple[dict, list[bytes], np.ndarray | None]:
+        g, start, end, starts = job
+        old, tgt = flats[g]
+        entry, streams = _encode_chunk(zstd, start, None if old is None else old[start:end], tgt[start:end])
+        per_tensor = None
+        if starts is not None and old is not None:  # a multi-tensor group is a single chunk
+            per_tensor = np.add.reduceat((old != tgt).astype(np.int64), starts) if len(tgt) else None
+        return entry, streams, per_tensor
+
+    def sums(name: str, has_base: bool) -> tuple[str, str]:
+        base_sum = checksum(base[name].bits) if has_base and base is not None else ""
+        return base_sum, checksum(target[name].bits)
 
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=_threads())
     try:
         results = list(pool.map(run, jobs))
+        checksums = dict(zip(
+            [n for _, _, names in plan for n in names],
+            pool.map(lambda item: sums(*item), [(n, hb) for _, hb, names in plan for n in names]),
+            strict=True,
+        ))
     finally:
         if own_pool:
             pool.shutdown()
-    checksums = {
-        name: (checksum(bases[name].bits) if name in bases else "", checksum(target[name].bits)) for name in target
-    }
     payload: list[bytes] = []
     offset = 0
-    chunks_by_tensor: dict[str, list[ChunkEntry]] = {name: [] for name in target}
-    for (name, *_), (entry, streams) in zip(jobs, results, strict=True):
-        chunks_by_tensor[name].append(ChunkEntry(offset=offset, **entry))
-        for s in streams:
-            payload.append(s)
-            offset += len(s)
-    tensors = []
-    for name in sorted(target):
-        tgt = target[name]
-        base_sum, target_sum = checksums[name]
-        chunks = chunks_by_tensor[name]
-        tensors.append(
-            TensorEntry(
-                name=name,
-                dtype=tgt.dtype,
-                shape=list(tgt.shape),
-                base_checksum=base_sum,
-                target_checksum=target_sum,
-                changed=sum(c.changed for c in chunks),
-                chunks=chunks,
-            )
-        )
-    header = msgspec.msgpack.encode(
-        PatchHeader(
-            format_version=FORMAT_VERSION,
-            view=view,
-            base_version=base_version,
-            target_version=target_version,
-            tensors=tensors,
-            payload_bytes=offset,
-        )
-    )
+    chunks: list[list[ChunkEntry]] = [[] for _ in plan]
+    per_tensor: dict[int, np.ndarray] = {}
+    for (g, *_), (entry, streams, counts) in zip(jobs, results, strict=True):
+        chunks[g].append(ChunkEntry(offset=offset, **entry))
+        if counts is not None:
+            per_tensor[g] = counts
+        for stream in streams:
+            payload.append(stream)
+            offset += len(stream)
+    groups = []
+    for g, (dtype, has_base, names) in enumerate(plan):
+        tensors, at = [], 0
+        for i, name in enumerate(names):
+            tgt = target[name]
+            if not has_base:
+                changed = len(tgt.bits)
+            elif len(names) == 1:
+                changed = sum(c.changed for c in chunks[g])
+            else:
+                changed = int(per_tensor[g][i]) if g in per_tensor else 0
+            base_sum, target_sum = checksums[name]
+            tensors.append(TensorEntry(name=name, shape=list(tgt.shape), offset=at, base_checksum=base_sum,
+                                       target_checksum=target_sum, changed=changed))
+            at += len(tgt.bits)
+        groups.append(GroupEntry(dtype=dtype, elements=at, has_base=has_base, tensors=tensors, chunks=chunks[g]))
+    header = msgspec.msgpack.encode(PatchHeader(
+        format_version=FORMAT_VERSION, view=view, base_version=base_version, target_version=target_version,
+        groups=groups, payload_bytes=offset,
+    ))
     return b"".join([_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header)), header, *payload])
 
 
@@ -397,49 +444,65 @@ class ChecksumMismatch(PatchFormatError):
         super().__init__(f"tensor {name}: {which} checksum is {actual}, patch expects {expected}")
 
 
-def apply_tensor(
-    entry: TensorEntry,
+def apply_group(
+    group: GroupEntry,
     payload: memoryview,
-    base: np.ndarray | None,
+    base: dict[str, np.ndarray] | None,
     *,
     verify: bool = True,
     verify_base: bool = True,
     inplace: bool = False,
-) -> np.ndarray:
-    """Reconstruct one tensor's target bits.
+) -> dict[str, np.ndarray]:
+    """Reconstruct one group's tensors (flat arrays).
 
-    With `inplace`, `base` (a flat array the caller owns) is overwritten and returned: no copy of
-    the tensor is made. Otherwise `base` is left untouched. `verify_base=False` skips hashing a
-    base whose checksum the caller already established (e.g. the previous patch's verified target).
+    With `inplace`, the caller's base arrays are overwritten and returned. Otherwise they are left
+    untouched. `verify_base=False` skips hashing bases whose checksums the caller already knows
+    (e.g. the previous patch's verified targets).
     """
-    dtype = bits_dtype(entry.dtype)
-    numel = math.prod(entry.shape)
-    if base is not None and entry.base_checksum:
-        if verify and verify_base and checksum(base) != entry.base_checksum:
-            raise ChecksumMismatch(entry.name, "base", entry.base_checksum, checksum(base))
-        if inplace and base.dtype == dtype and base.flags.writeable and base.flags.c_contiguous:
-            out = base.reshape(-1)
+    dtype = bits_dtype(group.dtype)
+    entries = group.tensors
+    if group.has_base:
+        if base is None or any(t.name not in base for t in entries):
+            missing = [t.name for t in entries if base is None or t.name not in base]
+            raise PatchFormatError(f"patch changes {missing[:3]} against a base, but no base bits were given")
+        for t in entries:
+            b = base[t.name]
+            if len(b) != math.prod(t.shape) or b.dtype != dtype:
+                raise PatchFormatError(f"tensor {t.name}: base is {len(b)} x {b.dtype}, patch expects "
+                                       f"{math.prod(t.shape)} x {dtype}")
+            if verify and verify_base and checksum(b) != t.base_checksum:
+                raise ChecksumMismatch(t.name, "base", t.base_checksum, checksum(b))
+        if len(entries) == 1:
+            only = base[entries[0].name].reshape(-1)
+            own = inplace and only.flags.writeable and only.flags.c_contiguous
+            flat = only if own else only.copy()
         else:
-            out = np.array(base, dtype=dtype, copy=True).reshape(-1)
-    elif entry.base_checksum:
-        raise PatchFormatError(f"tensor {entry.name} is a change against a base, but no base was given")
+            flat = np.concatenate([base[t.name].reshape(-1) for t in entries])
     else:
-        out = np.zeros(numel, dtype=dtype)
-    if len(out) != numel:
-        raise PatchFormatError(f"tensor {entry.name}: base has {len(out)} elements, patch expects {numel}")
+        flat = np.zeros(group.elements, dtype=dtype)
+    if len(flat) != group.elements:
+        raise PatchFormatError(f"group of {[t.name for t in entries][:3]}: {len(flat)} elements, "
+                               f"header says {group.elements}")
     zstd = _Zstd(ZSTD_LEVEL)
-    for chunk in entry.chunks:
+    for chunk in group.chunks:
         try:
-            _apply_chunk(zstd, chunk, payload, out, dtype)
+            _apply_chunk(zstd, chunk, payload, flat, dtype)
         except PatchFormatError:
             raise
         except (zstandard.ZstdError, ValueError, IndexError) as exc:
             # Damaged streams surface as decoder errors; they mean one thing: this patch is unusable.
-            raise PatchFormatError(f"tensor {entry.name}, chunk at {chunk.start}: damaged stream ({exc})") from exc
-    if verify:
-        actual = checksum(out)
-        if actual != entry.target_checksum:
-            raise ChecksumMismatch(entry.name, "target", entry.target_checksum, actual)
+            raise PatchFormatError(f"group {entries[0].name}..., chunk at {chunk.start}: damaged stream ({exc})") from exc
+    out = {}
+    for t in entries:
+        bits = flat[t.offset : t.offset + math.prod(t.shape)]
+        if verify:
+            actual = checksum(bits)
+            if actual != t.target_checksum:
+                raise ChecksumMismatch(t.name, "target", t.target_checksum, actual)
+        if inplace and base is not None and t.name in base and len(entries) > 1:
+            base[t.name].reshape(-1)[:] = bits
+            bits = base[t.name].reshape(-1)
+        out[t.name] = bits
     return out
 
 
@@ -451,22 +514,24 @@ def apply(
     verify_base: bool = True,
     pool: ThreadPoolExecutor | None = None,
 ) -> dict[str, TensorBits]:
-    """Apply a whole patch; every tensor's base and target checksums are verified.
+    """Apply a whole patch; every tensor's target checksum (and base checksum) is verified.
 
     With `inplace`, base arrays are overwritten (the caller owns them); the result shares them.
     """
     header, payload = read_header(patch)
+    base_bits = {n: b.bits for n, b in base.items()} if base is not None else None
 
-    def one(entry: TensorEntry) -> tuple[str, TensorBits]:
-        old = base.get(entry.name) if base is not None else None
-        bits = apply_tensor(entry, payload, None if old is None else old.bits, inplace=inplace,
-                            verify_base=verify_base)
-        return entry.name, TensorBits(entry.dtype, tuple(entry.shape), bits)
+    def one(group: GroupEntry) -> dict[str, TensorBits]:
+        bits = apply_group(group, payload, base_bits, inplace=inplace, verify_base=verify_base)
+        return {t.name: TensorBits(group.dtype, tuple(t.shape), bits[t.name]) for t in group.tensors}
 
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=_threads())
     try:
-        return dict(pool.map(one, header.tensors))
+        out: dict[str, TensorBits] = {}
+        for part in pool.map(one, header.groups):
+            out.update(part)
+        return out
     finally:
         if own_pool:
             pool.shutdown()
