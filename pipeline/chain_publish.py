@@ -52,6 +52,8 @@ class _ViewState:
     """What the publisher remembers of one view: recent versions' bits and the shard layout."""
 
     history: dict[int, dict[str, TensorBits]] = field(default_factory=dict)
+    checksums: dict[int, dict[str, str]] = field(default_factory=dict)
+    """xxh3-128 per tensor of the versions in `history`: a patch's base is never hashed twice."""
     weight_map: dict[str, str] = field(default_factory=dict)
 
 
@@ -149,9 +151,10 @@ class ChainPublisher:
             or set(previous) != set(bits)
             or set(bits) != set(state.weight_map)
         )
+        names = sorted(bits)
+        sums = dict(zip(names, self._pool.map(lambda n: checksum(bits[n].bits), names), strict=True))
         digests = [
-            TensorDigest(name=n, dtype=b.dtype, shape=list(b.shape), xxh3=checksum(b.bits), changed=0)
-            for n, b in sorted(bits.items())
+            TensorDigest(name=n, dtype=bits[n].dtype, shape=list(bits[n].shape), xxh3=sums[n], changed=0) for n in names
         ]
         if keyframe:
             blobs, changed_by_tensor = self._upload_keyframe(name, view, tensors, prefix, state)
@@ -159,7 +162,14 @@ class ChainPublisher:
         else:
             assert previous is not None
             blobs, changed_by_tensor = self._upload_patch(
-                name, previous, bits, version - 1, version, f"{prefix}/patch-from-v{version - 1}", state
+                name,
+                previous,
+                bits,
+                version - 1,
+                version,
+                f"{prefix}/patch-from-v{version - 1}",
+                state,
+                (state.checksums[version - 1], sums),
             )
             base_version = version - 1
         digests = [
@@ -172,7 +182,14 @@ class ChainPublisher:
                 older = state.history.get(version - k)
                 if k > 1 and older is not None and set(older) == set(bits):
                     skip_blobs, skip_changed = self._upload_patch(
-                        name, older, bits, version - k, version, f"{prefix}/patch-from-v{version - k}", state
+                        name,
+                        older,
+                        bits,
+                        version - k,
+                        version,
+                        f"{prefix}/patch-from-v{version - k}",
+                        state,
+                        (state.checksums[version - k], sums),
                     )
                     skips.append(
                         SkipPatch(
@@ -183,9 +200,11 @@ class ChainPublisher:
                         )
                     )
         state.history[version] = bits
+        state.checksums[version] = sums
         horizon = max([1, *self.settings.skip_distances])
         for old in [v for v in state.history if v < version - horizon + 1]:
             del state.history[old]
+            del state.checksums[old]
         return ViewVersion(
             view=name,
             kind="keyframe" if keyframe else "patch",
@@ -217,7 +236,7 @@ class ChainPublisher:
         return BlobPointer(uri=ref.uri, sha256=ref.checksum, bytes=ref.bytes, name=file_name)
 
     def _upload_patch(
-        self, name, base, target, base_version, target_version, prefix, state
+        self, name, base, target, base_version, target_version, prefix, state, known: tuple[dict, dict]
     ) -> tuple[list[BlobPointer], dict[str, int]]:
         by_shard: dict[str, list[str]] = {}
         for tensor_name, shard in state.weight_map.items():
@@ -233,6 +252,8 @@ class ChainPublisher:
                 chunk_elements=self.settings.chunk_elements,
                 level=self.settings.zstd_level,
                 pool=self._pool,
+                base_checksums=known[0],
+                target_checksums=known[1],
             )
             header, _ = patch_codec.read_header(patch)
             changed.update({t.name: t.changed for g in header.groups for t in g.tensors})

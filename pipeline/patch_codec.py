@@ -39,7 +39,7 @@ from pipeline.bits import bits_dtype, checksum
 MAGIC = b"SPRWLPCH"
 FORMAT_VERSION = 1
 _PREAMBLE = struct.Struct("<8sHI")
-DEFAULT_CHUNK_ELEMENTS = 1 << 22
+DEFAULT_CHUNK_ELEMENTS = 1 << 20  # measured: 1 Mi elements balances threads best (bench delta)
 ZSTD_LEVEL = 3  # measured: level 3 is within ~1% of level 9 on value planes at a fraction of the time
 
 
@@ -127,9 +127,10 @@ def _rice_encode(gaps: np.ndarray, k: int) -> tuple[bytes, bytes, int]:
     unary[np.cumsum(quotients + 1) - 1] = False  # each quotient: q ones, then a zero
     if k:
         remainders = gaps & ((1 << k) - 1)
-        shifts = np.arange(k - 1, -1, -1, dtype=np.int64)
-        rem_bits = ((remainders[:, None] >> shifts) & 1).astype(bool).ravel()
-        rem = np.packbits(rem_bits).tobytes()
+        width = 8 if k <= 8 else (16 if k <= 16 else 64)
+        as_bytes = remainders.astype(f">u{width // 8}").view(np.uint8).reshape(-1, width // 8)
+        rem_bits = np.unpackbits(as_bytes, axis=1)[:, width - k :]  # the k low bits, most significant first
+        rem = np.packbits(rem_bits.ravel()).tobytes()
     else:
         rem = b""
     return np.packbits(unary).tobytes(), rem, unary_bits
@@ -140,13 +141,23 @@ def _rice_decode(unary: bytes, rem: bytes, k: int, count: int, unary_bits: int) 
     ends = np.flatnonzero(bits == 0)
     if len(ends) != count:
         raise PatchFormatError(f"rice stream holds {len(ends)} gaps, header says {count}")
-    quotients = np.diff(ends, prepend=-1) - 1
-    gaps = quotients.astype(np.int64) << k
+    if count == 0:
+        return ends
+    # gap_i = quotient_i << k | remainder_i, quotient_i = ends_i - ends_{i-1} - 1; positions = cumsum(gap + 1) - 1.
+    # Written with in-place ops: this runs once per changed element on every sampler.
+    gaps = np.empty(count, dtype=np.int64)
+    gaps[0] = ends[0]
+    np.subtract(ends[1:], ends[:-1], out=gaps[1:])
+    gaps[1:] -= 1
     if k:
+        np.left_shift(gaps, k, out=gaps)
         rem_bits = np.unpackbits(np.frombuffer(rem, dtype=np.uint8), count=count * k).reshape(count, k)
-        weights = 1 << np.arange(k - 1, -1, -1, dtype=np.int64)
-        gaps |= rem_bits.astype(np.int64) @ weights
-    return np.cumsum(gaps + 1) - 1
+        weights = (1 << np.arange(k - 1, -1, -1)).astype(np.uint32 if k > 16 else np.uint16)
+        np.bitwise_or(gaps, rem_bits @ weights, out=gaps, casting="unsafe")
+    gaps += 1
+    np.cumsum(gaps, out=gaps)
+    gaps -= 1
+    return gaps
 
 
 # ---------------------------------------------------------------- value coding
@@ -204,16 +215,30 @@ def _maybe_compress(zstd: _Zstd, data: bytes) -> tuple[bytes, bool]:
 # ---------------------------------------------------------------- one chunk
 
 
-def _encode_chunk(zstd: _Zstd, start: int, base: np.ndarray | None, target: np.ndarray) -> tuple[dict, list[bytes]]:
-    n = len(target)
+def _cat(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _encode_chunk(
+    zstd: _Zstd, start: int, base: list[np.ndarray] | None, target: list[np.ndarray]
+) -> tuple[dict, list[bytes], list[int] | None]:
+    """Encode one chunk made of one or more segments (consecutive tensors of a group).
+
+    Segments are diffed where they lie, never concatenated: only the changed positions and values
+    (about 1% of the data) are gathered. Returns the entry, its streams and the changed count per
+    segment (None when there is no base).
+    """
+    n = sum(len(t) for t in target)
     if base is None:  # no base: the chunk is all new
-        data, packed = _maybe_compress(zstd, _planes(target))
-        return _entry(start, n, "dense", "none", "raw", n, [0, 0, len(data)], [False, False, packed]), [data]
-    changed_mask = base != target
-    positions = np.flatnonzero(changed_mask)
-    count = len(positions)
+        data, packed = _maybe_compress(zstd, _planes(_cat(target)))
+        return _entry(start, n, "dense", "none", "raw", n, [0, 0, len(data)], [False, False, packed]), [data], None
+    local = [np.flatnonzero(b != t) for b, t in zip(base, target, strict=True)]
+    counts = [len(p) for p in local]
+    count = sum(counts)
     if count == 0:
-        return _entry(start, n, "same", "none", "none", 0, [0, 0, 0], [False, False, False]), []
+        return _entry(start, n, "same", "none", "none", 0, [0, 0, 0], [False, False, False]), [], counts
+    offsets = np.cumsum([0] + [len(t) for t in target[:-1]])
+    positions = _cat([p + off for p, off in zip(local, offsets, strict=True)])
 
     candidates: list[tuple[int, dict, list[bytes]]] = []
     if count * 4 < n * 3:  # sparse only makes sense when not nearly everything changed
@@ -223,11 +248,18 @@ def _encode_chunk(zstd: _Zstd, start: int, base: np.ndarray | None, target: np.n
             unary, rem, unary_bits = _rice_encode(gaps, k)
             pos_streams, pos_kind, pos_packed = [unary, rem], "rice", [False, False]
         else:
-            bitmap, packed = _maybe_compress(zstd, np.packbits(changed_mask).tobytes())
+            mask = np.zeros(n, dtype=bool)
+            mask[positions] = True
+            bitmap, packed = _maybe_compress(zstd, np.packbits(mask).tobytes())
             pos_streams, pos_kind, pos_packed, k, unary_bits = [bitmap, b""], "bitmap", [packed, False], 0, 0
-        xor_vals = _maybe_compress(zstd, _planes(base[positions] ^ target[positions]))
-        raw_vals = _maybe_compress(zstd, _planes(target[positions]))
-        (vals, vals_packed), kind = (xor_vals, "xor") if len(xor_vals[0]) <= len(raw_vals[0]) else (raw_vals, "raw")
+        old_vals = _cat([b[p] for b, p in zip(base, local, strict=True)])
+        new_vals = _cat([t[p] for t, p in zip(target, local, strict=True)])
+        xor_vals = _maybe_compress(zstd, _planes(old_vals ^ new_vals))
+        (vals, vals_packed), kind = xor_vals, "xor"
+        if len(xor_vals[0]) > new_vals.nbytes // 2:  # XOR did not help much: try replacement bits
+            raw_vals = _maybe_compress(zstd, _planes(new_vals))
+            if len(raw_vals[0]) < len(xor_vals[0]):
+                (vals, vals_packed), kind = raw_vals, "raw"
         streams = [*pos_streams, vals]
         entry = _entry(
             start,
@@ -243,13 +275,13 @@ def _encode_chunk(zstd: _Zstd, start: int, base: np.ndarray | None, target: np.n
         )
         candidates.append((sum(len(s) for s in streams), entry, streams))
     if count * 5 > n:  # dense only makes sense when a good share changed
-        xor_all = _maybe_compress(zstd, _planes(base ^ target))
-        raw_all = _maybe_compress(zstd, _planes(target))
+        xor_all = _maybe_compress(zstd, _planes(_cat([b ^ t for b, t in zip(base, target, strict=True)])))
+        raw_all = _maybe_compress(zstd, _planes(_cat(target)))
         (vals, packed), kind = (xor_all, "xor") if len(xor_all[0]) <= len(raw_all[0]) else (raw_all, "raw")
         entry = _entry(start, n, "dense", "none", kind, count, [0, 0, len(vals)], [False, False, packed])
         candidates.append((len(vals), entry, [vals]))
     _, entry, streams = min(candidates, key=lambda c: c[0])
-    return entry, streams
+    return entry, streams, counts
 
 
 def _entry(start, length, encoding, positions, values, changed, sizes, compressed, rice_k=0, unary_bits=0) -> dict:
@@ -267,39 +299,60 @@ def _entry(start, length, encoding, positions, values, changed, sizes, compresse
     }
 
 
-def _apply_chunk(zstd: _Zstd, chunk: ChunkEntry, payload: memoryview, out: np.ndarray, dtype: np.dtype) -> None:
-    """Apply one chunk to `out` (which holds the base bits of this chunk) in place."""
+def _apply_chunk(
+    zstd: _Zstd, chunk: ChunkEntry, payload: memoryview, segments: list[np.ndarray], dtype: np.dtype
+) -> None:
+    """Apply one chunk in place to its segments: flat arrays holding the base bits, which together
+    span the chunk's `length` elements (one slice of a large tensor, or several small tensors)."""
     if chunk.encoding == "same":
         return
-    view = out[chunk.start : chunk.start + chunk.length]
+    if sum(len(s) for s in segments) != chunk.length:
+        raise PatchFormatError(
+            f"chunk at {chunk.start} covers {chunk.length} elements, its tensors hold {sum(len(s) for s in segments)}"
+        )
     streams, cursor = [], chunk.offset
     for size in chunk.stream_sizes:
-        streams.append(bytes(payload[cursor : cursor + size]))
+        streams.append(payload[cursor : cursor + size])
         cursor += size
 
     def stream(i: int, raw_size: int) -> bytes:
-        return zstd.decompress(streams[i], raw_size) if chunk.compressed[i] else streams[i]
+        return zstd.decompress(streams[i], raw_size) if chunk.compressed[i] else bytes(streams[i])
 
     width = dtype.itemsize
+    xor = chunk.values == "xor"
     if chunk.encoding == "dense":
         values = _from_planes(stream(2, chunk.length * width), dtype, chunk.length)
-        if chunk.values == "xor":
-            view ^= values
-        else:
-            view[:] = values
+        at = 0
+        for segment in segments:
+            part = values[at : at + len(segment)]
+            if xor:
+                segment ^= part
+            else:
+                segment[:] = part
+            at += len(segment)
         return
     if chunk.positions == "rice":
-        positions = _rice_decode(streams[0], streams[1], chunk.rice_k, chunk.changed, chunk.unary_bits)
+        positions = _rice_decode(bytes(streams[0]), bytes(streams[1]), chunk.rice_k, chunk.changed, chunk.unary_bits)
     else:
         mask_bytes = stream(0, (chunk.length + 7) // 8)
         positions = np.flatnonzero(np.unpackbits(np.frombuffer(mask_bytes, np.uint8), count=chunk.length))
     if len(positions) != chunk.changed or (len(positions) and positions[-1] >= chunk.length):
         raise PatchFormatError(f"chunk at {chunk.start}: positions do not fit a chunk of {chunk.length}")
     values = _from_planes(stream(2, chunk.changed * width), dtype, chunk.changed)
-    if chunk.values == "xor":
-        view[positions] ^= values
+    if len(segments) == 1:
+        bounds = [0, len(positions)]
+        offsets = [0]
     else:
-        view[positions] = values
+        offsets = np.cumsum([0] + [len(s) for s in segments[:-1]])
+        bounds = np.searchsorted(positions, np.append(offsets, chunk.length)).tolist()
+    for segment, offset, lo, hi in zip(segments, offsets, bounds[:-1], bounds[1:], strict=True):
+        if lo == hi:
+            continue
+        local = positions[lo:hi] - offset if offset else positions[lo:hi]
+        if xor:
+            segment[local] ^= values[lo:hi]
+        else:
+            segment[local] = values[lo:hi]
 
 
 # ---------------------------------------------------------------- whole patches
@@ -329,10 +382,6 @@ def _plan_groups(
     return groups
 
 
-def _flat(arrays: list[np.ndarray]) -> np.ndarray:
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-
-
 def encode(
     base: dict[str, TensorBits] | None,
     target: dict[str, TensorBits],
@@ -343,43 +392,55 @@ def encode(
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
     level: int = ZSTD_LEVEL,
     pool: ThreadPoolExecutor | None = None,
+    base_checksums: dict[str, str] | None = None,
+    target_checksums: dict[str, str] | None = None,
 ) -> bytes:
-    """Encode `target` as changes against `base` (None: every tensor is new)."""
+    """Encode `target` as changes against `base` (None: every tensor is new).
+
+    `base_checksums` / `target_checksums`: xxh3-128 by tensor name that the caller already computed
+    (the chain hashed the base when it was the previous target); those are not hashed again.
+    """
     zstd = _Zstd(level)
     plan = _plan_groups(base, target, chunk_elements)
-    flats = []
     jobs = []
     for g, (_, has_base, names) in enumerate(plan):
-        tgt = _flat([target[n].bits for n in names])
-        old = _flat([base[n].bits for n in names]) if has_base and base is not None else None
-        flats.append((old, tgt))
-        starts = np.cumsum([0] + [len(target[n].bits) for n in names[:-1]])
-        for start in range(0, max(len(tgt), 1), chunk_elements):
-            end = min(start + chunk_elements, len(tgt))
-            jobs.append((g, start, end, starts if len(names) > 1 else None))
+        if len(names) > 1:  # small tensors: one chunk of several segments
+            jobs.append((g, 0, names, None))
+            continue
+        size = len(target[names[0]].bits)
+        for start in range(0, max(size, 1), chunk_elements):
+            jobs.append((g, start, names, min(start + chunk_elements, size)))
 
-    def run(job: tuple) -> tuple[dict, list[bytes], np.ndarray | None]:
-        g, start, end, starts = job
-        old, tgt = flats[g]
-        entry, streams = _encode_chunk(zstd, start, None if old is None else old[start:end], tgt[start:end])
-        per_tensor = None
-        if starts is not None and old is not None:  # a multi-tensor group is a single chunk
-            per_tensor = np.add.reduceat((old != tgt).astype(np.int64), starts) if len(tgt) else None
-        return entry, streams, per_tensor
+    def run(job: tuple) -> tuple[dict, list[bytes], list[int] | None]:
+        g, start, names, end = job
+        has_base = plan[g][1] and base is not None
+        if end is None:
+            tgt = [target[n].bits for n in names]
+            old = [base[n].bits for n in names] if has_base else None
+        else:
+            tgt = [target[names[0]].bits[start:end]]
+            old = [base[names[0]].bits[start:end]] if has_base else None
+        return _encode_chunk(zstd, start, old, tgt)
+
+    known_base, known_target = base_checksums or {}, target_checksums or {}
 
     def sums(name: str, has_base: bool) -> tuple[str, str]:
-        base_sum = checksum(base[name].bits) if has_base and base is not None else ""
-        return base_sum, checksum(target[name].bits)
+        base_sum = ""
+        if has_base and base is not None:
+            base_sum = known_base.get(name) or checksum(base[name].bits)
+        return base_sum, known_target.get(name) or checksum(target[name].bits)
 
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=_threads())
     try:
         results = list(pool.map(run, jobs))
-        checksums = dict(zip(
-            [n for _, _, names in plan for n in names],
-            pool.map(lambda item: sums(*item), [(n, hb) for _, hb, names in plan for n in names]),
-            strict=True,
-        ))
+        checksums = dict(
+            zip(
+                [n for _, _, names in plan for n in names],
+                pool.map(lambda item: sums(*item), [(n, hb) for _, hb, names in plan for n in names]),
+                strict=True,
+            )
+        )
     finally:
         if own_pool:
             pool.shutdown()
@@ -387,10 +448,10 @@ def encode(
     offset = 0
     chunks: list[list[ChunkEntry]] = [[] for _ in plan]
     per_tensor: dict[int, np.ndarray] = {}
-    for (g, *_), (entry, streams, counts) in zip(jobs, results, strict=True):
+    for (g, _, _, end), (entry, streams, counts) in zip(jobs, results, strict=True):
         chunks[g].append(ChunkEntry(offset=offset, **entry))
-        if counts is not None:
-            per_tensor[g] = counts
+        if counts is not None and end is None:
+            per_tensor[g] = np.asarray(counts)
         for stream in streams:
             payload.append(stream)
             offset += len(stream)
@@ -406,14 +467,28 @@ def encode(
             else:
                 changed = int(per_tensor[g][i]) if g in per_tensor else 0
             base_sum, target_sum = checksums[name]
-            tensors.append(TensorEntry(name=name, shape=list(tgt.shape), offset=at, base_checksum=base_sum,
-                                       target_checksum=target_sum, changed=changed))
+            tensors.append(
+                TensorEntry(
+                    name=name,
+                    shape=list(tgt.shape),
+                    offset=at,
+                    base_checksum=base_sum,
+                    target_checksum=target_sum,
+                    changed=changed,
+                )
+            )
             at += len(tgt.bits)
         groups.append(GroupEntry(dtype=dtype, elements=at, has_base=has_base, tensors=tensors, chunks=chunks[g]))
-    header = msgspec.msgpack.encode(PatchHeader(
-        format_version=FORMAT_VERSION, view=view, base_version=base_version, target_version=target_version,
-        groups=groups, payload_bytes=offset,
-    ))
+    header = msgspec.msgpack.encode(
+        PatchHeader(
+            format_version=FORMAT_VERSION,
+            view=view,
+            base_version=base_version,
+            target_version=target_version,
+            groups=groups,
+            payload_bytes=offset,
+        )
+    )
     return b"".join([_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header)), header, *payload])
 
 
@@ -444,6 +519,60 @@ class ChecksumMismatch(PatchFormatError):
         super().__init__(f"tensor {name}: {which} checksum is {actual}, patch expects {expected}")
 
 
+def _prepare_group(
+    group: GroupEntry, base: dict[str, np.ndarray] | None, *, verify: bool, verify_base: bool, inplace: bool
+) -> list[np.ndarray]:
+    """The arrays a group's chunks are applied to: the caller's (inplace) or copies, bases checked."""
+    dtype = bits_dtype(group.dtype)
+    entries = group.tensors
+    if sum(math.prod(t.shape) for t in entries) != group.elements:
+        raise PatchFormatError(
+            f"group of {[t.name for t in entries][:3]}: tensor sizes do not add up to {group.elements} elements"
+        )
+    if not group.has_base:
+        return [np.zeros(math.prod(t.shape), dtype=dtype) for t in entries]
+    if base is None or any(t.name not in base for t in entries):
+        missing = [t.name for t in entries if base is None or t.name not in base]
+        raise PatchFormatError(f"patch changes {missing[:3]} against a base, but no base bits were given")
+    arrays = []
+    for t in entries:
+        b = base[t.name].reshape(-1)
+        if len(b) != math.prod(t.shape) or b.dtype != dtype:
+            raise PatchFormatError(
+                f"tensor {t.name}: base is {len(b)} x {b.dtype}, patch expects {math.prod(t.shape)} x {dtype}"
+            )
+        if verify and verify_base and checksum(b) != t.base_checksum:
+            raise ChecksumMismatch(t.name, "base", t.base_checksum, checksum(b))
+        own = inplace and b.flags.writeable and b.flags.c_contiguous
+        arrays.append(b if own else b.copy())
+    return arrays
+
+
+def _apply_group_chunk(group: GroupEntry, chunk: ChunkEntry, payload: memoryview, arrays: list[np.ndarray]) -> None:
+    if len(group.tensors) == 1:
+        segments = [arrays[0][chunk.start : chunk.start + chunk.length]]
+    else:
+        segments = arrays
+    try:
+        _apply_chunk(_THREAD_ZSTD, chunk, payload, segments, bits_dtype(group.dtype))
+    except PatchFormatError:
+        raise
+    except (zstandard.ZstdError, ValueError, IndexError) as exc:
+        # Damaged streams surface as decoder errors; they mean one thing: this patch is unusable.
+        raise PatchFormatError(
+            f"group {group.tensors[0].name}..., chunk at {chunk.start}: damaged stream ({exc})"
+        ) from exc
+
+
+def _verify_tensor(entry: TensorEntry, bits: np.ndarray) -> None:
+    actual = checksum(bits)
+    if actual != entry.target_checksum:
+        raise ChecksumMismatch(entry.name, "target", entry.target_checksum, actual)
+
+
+_THREAD_ZSTD = _Zstd(ZSTD_LEVEL)  # decompression contexts, one per thread
+
+
 def apply_group(
     group: GroupEntry,
     payload: memoryview,
@@ -453,57 +582,19 @@ def apply_group(
     verify_base: bool = True,
     inplace: bool = False,
 ) -> dict[str, np.ndarray]:
-    """Reconstruct one group's tensors (flat arrays).
+    """Reconstruct one group's tensors (flat arrays), serially.
 
-    With `inplace`, the caller's base arrays are overwritten and returned. Otherwise they are left
+    With `inplace`, the caller's base arrays are overwritten and returned; otherwise they are left
     untouched. `verify_base=False` skips hashing bases whose checksums the caller already knows
     (e.g. the previous patch's verified targets).
     """
-    dtype = bits_dtype(group.dtype)
-    entries = group.tensors
-    if group.has_base:
-        if base is None or any(t.name not in base for t in entries):
-            missing = [t.name for t in entries if base is None or t.name not in base]
-            raise PatchFormatError(f"patch changes {missing[:3]} against a base, but no base bits were given")
-        for t in entries:
-            b = base[t.name]
-            if len(b) != math.prod(t.shape) or b.dtype != dtype:
-                raise PatchFormatError(f"tensor {t.name}: base is {len(b)} x {b.dtype}, patch expects "
-                                       f"{math.prod(t.shape)} x {dtype}")
-            if verify and verify_base and checksum(b) != t.base_checksum:
-                raise ChecksumMismatch(t.name, "base", t.base_checksum, checksum(b))
-        if len(entries) == 1:
-            only = base[entries[0].name].reshape(-1)
-            own = inplace and only.flags.writeable and only.flags.c_contiguous
-            flat = only if own else only.copy()
-        else:
-            flat = np.concatenate([base[t.name].reshape(-1) for t in entries])
-    else:
-        flat = np.zeros(group.elements, dtype=dtype)
-    if len(flat) != group.elements:
-        raise PatchFormatError(f"group of {[t.name for t in entries][:3]}: {len(flat)} elements, "
-                               f"header says {group.elements}")
-    zstd = _Zstd(ZSTD_LEVEL)
+    arrays = _prepare_group(group, base, verify=verify, verify_base=verify_base, inplace=inplace)
     for chunk in group.chunks:
-        try:
-            _apply_chunk(zstd, chunk, payload, flat, dtype)
-        except PatchFormatError:
-            raise
-        except (zstandard.ZstdError, ValueError, IndexError) as exc:
-            # Damaged streams surface as decoder errors; they mean one thing: this patch is unusable.
-            raise PatchFormatError(f"group {entries[0].name}..., chunk at {chunk.start}: damaged stream ({exc})") from exc
-    out = {}
-    for t in entries:
-        bits = flat[t.offset : t.offset + math.prod(t.shape)]
-        if verify:
-            actual = checksum(bits)
-            if actual != t.target_checksum:
-                raise ChecksumMismatch(t.name, "target", t.target_checksum, actual)
-        if inplace and base is not None and t.name in base and len(entries) > 1:
-            base[t.name].reshape(-1)[:] = bits
-            bits = base[t.name].reshape(-1)
-        out[t.name] = bits
-    return out
+        _apply_group_chunk(group, chunk, payload, arrays)
+    if verify:
+        for entry, bits in zip(group.tensors, arrays, strict=True):
+            _verify_tensor(entry, bits)
+    return {t.name: bits for t, bits in zip(group.tensors, arrays, strict=True)}
 
 
 def apply(
@@ -516,25 +607,32 @@ def apply(
 ) -> dict[str, TensorBits]:
     """Apply a whole patch; every tensor's target checksum (and base checksum) is verified.
 
-    With `inplace`, base arrays are overwritten (the caller owns them); the result shares them.
+    Work is spread over the pool chunk by chunk (chunks touch disjoint elements), then tensor by
+    tensor for the checksums. With `inplace`, base arrays are overwritten (the caller owns them).
     """
     header, payload = read_header(patch)
     base_bits = {n: b.bits for n, b in base.items()} if base is not None else None
-
-    def one(group: GroupEntry) -> dict[str, TensorBits]:
-        bits = apply_group(group, payload, base_bits, inplace=inplace, verify_base=verify_base)
-        return {t.name: TensorBits(group.dtype, tuple(t.shape), bits[t.name]) for t in group.tensors}
-
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=_threads())
     try:
-        out: dict[str, TensorBits] = {}
-        for part in pool.map(one, header.groups):
-            out.update(part)
-        return out
+        arrays = list(
+            pool.map(
+                lambda g: _prepare_group(g, base_bits, verify=True, verify_base=verify_base, inplace=inplace),
+                header.groups,
+            )
+        )
+        jobs = [(g, c) for g in range(len(header.groups)) for c in header.groups[g].chunks]
+        list(pool.map(lambda job: _apply_group_chunk(header.groups[job[0]], job[1], payload, arrays[job[0]]), jobs))
+        pairs = [(t, a) for g, group in enumerate(header.groups) for t, a in zip(group.tensors, arrays[g], strict=True)]
+        list(pool.map(lambda pair: _verify_tensor(*pair), pairs))
     finally:
         if own_pool:
             pool.shutdown()
+    return {
+        t.name: TensorBits(group.dtype, tuple(t.shape), a)
+        for g, group in enumerate(header.groups)
+        for t, a in zip(group.tensors, arrays[g], strict=True)
+    }
 
 
 def _threads() -> int:

@@ -21,7 +21,7 @@ def run_bench(name: str, *, quick: bool, as_json: bool) -> int:
         rows, summary = bench_delta(quick=quick)
     else:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHES)}")
-    console = Console()
+    console = Console(width=max(160, Console().width))
     table = Table(title=f"sprawl bench {name}")
     for column in rows[0]:
         table.add_column(column, justify="right")

@@ -11,9 +11,10 @@ Anchors, measured in the same run on the same tensors and thread pool
 - idx_raw_zstd: int32 indices + raw replacement values, zstd level 3 (TRL / NeMo-RL style);
 - entropy: positions at the observed density (n·H(k/n) bits) + order-0 entropy of the XOR words.
 
-Speeds are tensor bytes per second (best of 3). Our apply is in place with every target tensor's
-xxh3-128 verified (the chain verifies bases once, when they are loaded); the XOR anchor's apply
-is decompress + in-place XOR with no verification at all.
+Speeds are tensor bytes per second (best of 3). Our encode hashes every target tensor (xxh3-128,
+carried in the patch) but not the base, whose checksums the chain computed when it published it.
+Our apply is in place with every target tensor's checksum verified (the chain verifies bases once,
+when they are loaded). The anchors hash and verify nothing.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ import numpy as np
 import torch
 
 from pipeline import patch_codec
-from pipeline.bits import dtype_name, to_bits
+from pipeline.bits import checksum, dtype_name, to_bits
 from pipeline.patch_codec import TensorBits
 from pipeline.views import get_view
 
 REPEATS = 3
+CHUNK = patch_codec.DEFAULT_CHUNK_ELEMENTS
 
 
 def _bits(tensors: dict[str, torch.Tensor]) -> dict[str, TensorBits]:
@@ -72,15 +74,21 @@ def compare(base: dict[str, TensorBits], target: dict[str, TensorBits], pool: Th
     total = sum(len(target[n].bits) for n in names)
     changed = sum(int(np.count_nonzero(base[n].bits != target[n].bits)) for n in names)
 
-    # ours
+    # ours; the base's checksums are known, as in the chain (computed when the base was published)
+    base_sums = {n: checksum(b.bits) for n, b in base.items()}
     tracemalloc.start()
-    patch = patch_codec.encode(base, target, pool=pool)
+    patch = patch_codec.encode(base, target, pool=pool, base_checksums=base_sums)
     _, encode_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    encode_s = _best(lambda: patch_codec.encode(base, target, pool=pool))
+    encode_s = _best(lambda: patch_codec.encode(base, target, pool=pool, base_checksums=base_sums))
     buffers = [{n: TensorBits(b.dtype, b.shape, b.bits.copy()) for n, b in base.items()} for _ in range(REPEATS)]
-    out = patch_codec.apply(patch, {n: TensorBits(b.dtype, b.shape, b.bits.copy()) for n, b in base.items()},
-                            inplace=True, verify_base=False, pool=pool)
+    out = patch_codec.apply(
+        patch,
+        {n: TensorBits(b.dtype, b.shape, b.bits.copy()) for n, b in base.items()},
+        inplace=True,
+        verify_base=False,
+        pool=pool,
+    )
     bitexact = all(np.array_equal(out[n].bits, target[n].bits) for n in names)
     it = iter(buffers)
     apply_s = _best(lambda: patch_codec.apply(patch, next(it), inplace=True, verify_base=False, pool=pool))
@@ -89,8 +97,15 @@ def compare(base: dict[str, TensorBits], target: dict[str, TensorBits], pool: Th
     # zstd contexts are not thread-safe: one per pool thread.
     z1 = patch_codec._Zstd(1)
 
+    # Anchors get the same parallelism as ours: large tensors are cut into the codec's chunk size.
+    pieces = [(n, s, min(s + CHUNK, len(target[n].bits))) for n in names for s in range(0, len(target[n].bits), CHUNK)]
+
     def xor_encode() -> list[bytes]:
-        return list(pool.map(lambda n: z1.compress((base[n].bits ^ target[n].bits).tobytes()), names))
+        return list(
+            pool.map(
+                lambda p: z1.compress((base[p[0]].bits[p[1] : p[2]] ^ target[p[0]].bits[p[1] : p[2]]).tobytes()), pieces
+            )
+        )
 
     xor_blobs = xor_encode()
     xor_encode_s = _best(xor_encode)
@@ -100,11 +115,12 @@ def compare(base: dict[str, TensorBits], target: dict[str, TensorBits], pool: Th
     def xor_apply() -> None:
         bufs = next(xit)
 
-        def one(pair: tuple[str, bytes]) -> None:
-            name, blob = pair
-            bufs[name] ^= np.frombuffer(z1.decompress(blob, bufs[name].nbytes), dtype=bufs[name].dtype)
+        def one(item: tuple[tuple[str, int, int], bytes]) -> None:
+            (name, start, end), blob = item
+            view = bufs[name][start:end]
+            view ^= np.frombuffer(z1.decompress(blob, view.nbytes), dtype=view.dtype)
 
-        list(pool.map(one, zip(names, xor_blobs, strict=True)))
+        list(pool.map(one, zip(pieces, xor_blobs, strict=True)))
 
     xor_apply_s = _best(xor_apply)
 
@@ -112,11 +128,12 @@ def compare(base: dict[str, TensorBits], target: dict[str, TensorBits], pool: Th
     z3 = patch_codec._Zstd(3)
 
     def idx_encode() -> list[bytes]:
-        def one(n: str) -> bytes:
-            idx = np.flatnonzero(base[n].bits != target[n].bits).astype(np.int32)
-            return z3.compress(idx.tobytes() + target[n].bits[idx].tobytes())
+        def one(p: tuple[str, int, int]) -> bytes:
+            b, t = base[p[0]].bits[p[1] : p[2]], target[p[0]].bits[p[1] : p[2]]
+            idx = np.flatnonzero(b != t).astype(np.int32)
+            return z3.compress(idx.tobytes() + t[idx].tobytes())
 
-        return list(pool.map(one, names))
+        return list(pool.map(one, pieces))
 
     idx_blobs = idx_encode()
     idx_encode_s = _best(idx_encode)
@@ -170,14 +187,34 @@ def moe_config(quick: bool):
     from transformers import Qwen3MoeConfig
 
     if quick:
-        return Qwen3MoeConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=192,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                              num_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
-                              tie_word_embeddings=False)
-    return Qwen3MoeConfig(vocab_size=16384, hidden_size=512, intermediate_size=1024, moe_intermediate_size=384,
-                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                          num_experts=16, num_experts_per_tok=2, max_position_embeddings=256,
-                          tie_word_embeddings=False)
+        return Qwen3MoeConfig(
+            vocab_size=4096,
+            hidden_size=256,
+            intermediate_size=512,
+            moe_intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )
+    return Qwen3MoeConfig(
+        vocab_size=16384,
+        hidden_size=512,
+        intermediate_size=1024,
+        moe_intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=16,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
 
 
 def adam_transitions(lr: float, quick: bool, steps: int = 4, seed: int = 0) -> tuple[int, list[dict]]:
