@@ -403,7 +403,7 @@ def encode(
     zstd = _Zstd(level)
     plan = _plan_groups(base, target, chunk_elements)
     jobs = []
-    for g, (_, has_base, names) in enumerate(plan):
+    for g, (_, _, names) in enumerate(plan):
         if len(names) > 1:  # small tensors: one chunk of several segments
             jobs.append((g, 0, names, None))
             continue
@@ -549,10 +549,7 @@ def _prepare_group(
 
 
 def _apply_group_chunk(group: GroupEntry, chunk: ChunkEntry, payload: memoryview, arrays: list[np.ndarray]) -> None:
-    if len(group.tensors) == 1:
-        segments = [arrays[0][chunk.start : chunk.start + chunk.length]]
-    else:
-        segments = arrays
+    segments = [arrays[0][chunk.start : chunk.start + chunk.length]] if len(group.tensors) == 1 else arrays
     try:
         _apply_chunk(_THREAD_ZSTD, chunk, payload, segments, bits_dtype(group.dtype))
     except PatchFormatError:

@@ -24,7 +24,7 @@ def _random_bits(rng: np.random.Generator, dtype: str, n: int) -> np.ndarray:
 def _mutate(rng: np.random.Generator, bits: np.ndarray, density: float, special: bool) -> np.ndarray:
     out = bits.copy()
     n = len(out)
-    k = int(round(n * density)) if density < 1 else n
+    k = round(n * density) if density < 1 else n
     if n == 0 or k == 0:
         return out
     idx = rng.choice(n, size=k, replace=False)
