@@ -45,3 +45,20 @@ def test_sql_command_line_prints_json_rows(settings):
         check=True,
     )
     assert json.loads(result.stdout) == [{"answer": 42}]
+
+
+@pytest.mark.slow
+def test_bench_delta_reports_bitexact_and_the_anchor_ratios():
+    result = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "bench", "delta", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["bitexact"] is True
+    for key in ("size_vs_xor_zstd", "size_vs_entropy", "encode_speed_vs_xor_zstd", "apply_speed_vs_xor_zstd"):
+        assert summary["synthetic_1pct"][key] > 0
+    assert 0 < summary["adam_bf16"]["changed_fraction"] < 1
+    assert 0 < summary["adam_fp8"]["size_vs_keyframe"] < 1
