@@ -125,7 +125,7 @@ class ChainSettings(Section):
     """Also publish skip-patches v-k -> v for these k, so laggards catch up in one hop (costs k views of memory)."""
     max_shard_bytes: int = 2 * 1024**3
     """Largest safetensors shard of a keyframe; patches are cut along the same shards."""
-    chunk_elements: int = 1 << 20
+    chunk_elements: int = 1 << 22
     """Elements per codec chunk (the unit of parallel work and of buffer memory)."""
     zstd_level: int = 3
     """zstd level for patch streams (chosen by `sprawl bench delta`)."""
