@@ -1,0 +1,145 @@
+"""The reference engine returns exactly what it sampled from, in its view's numerics."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from pipeline.keyframe import write_checkpoint
+from pipeline.sampling import process_logits
+from pipeline.views import get_view
+from schemas import SamplingParams
+from tests.tiny_models import adam_like_step, tiny_moe
+from workers.engines.base import GenerateRequest
+from workers.engines.reference import ReferenceEngine
+from workers.engines.weights import model_state_dict
+
+SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_new_tokens=12, logprobs_top_k=8)
+PROMPT = [1, 5, 9, 17, 33, 2]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    model = tiny_moe(seed=3)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] *= 30  # a peaked next-token distribution, like a trained model's, not a flat one
+    root = tmp_path_factory.mktemp("views")
+    paths = {}
+    for version in (0, 1):
+        if version:
+            adam_like_step(state, 2e-2, torch.Generator().manual_seed(0))  # a visibly different version
+        for name in ("bf16", "fp8_e4m3"):
+            view = get_view(name)
+            path = root / f"{name}-v{version}"
+            write_checkpoint(path, view.compute(state), {**model.config.to_dict(), **view.config_overrides()})
+            paths[name, version] = path
+    return paths
+
+
+async def _engine(path, dtype=torch.bfloat16) -> ReferenceEngine:
+    engine = ReferenceEngine(dtype=dtype)
+    await engine.start()
+    await engine.load_weights(path, 0)
+    return engine
+
+
+def _teacher_forced(engine: ReferenceEngine, sample):
+    tokens = torch.tensor([sample.prompt_token_ids + sample.output_token_ids])
+    routing = []
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, out: routing.append(out[2]))
+        for n, m in engine.model.named_modules()
+        if n.endswith("mlp.gate")
+    ]
+    with torch.no_grad():
+        logits = engine.model(input_ids=tokens).logits[0].float()
+    for hook in hooks:
+        hook.remove()
+    start = len(sample.prompt_token_ids) - 1
+    processed = process_logits(
+        logits[start : start + len(sample.output_token_ids)], SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p
+    )
+    out = torch.tensor(sample.output_token_ids)
+    return processed, processed.logprobs.gather(1, out[:, None]).squeeze(1), torch.stack(routing, dim=1)
+
+
+# In float32 compute the incremental (KV-cache) decode and a full teacher-forced pass agree to float
+# rounding, so everything must match exactly; in bf16 compute the two paths round differently (the
+# very sampler/trainer mismatch the trainer corrects for), so logprobs agree to bf16 precision.
+@pytest.mark.parametrize(
+    ("view", "dtype", "atol"),
+    [
+        ("bf16", torch.float32, 1e-4),
+        ("fp8_e4m3", torch.float32, 1e-4),
+        ("bf16", torch.bfloat16, 0.1),
+        ("fp8_e4m3", torch.bfloat16, 0.1),
+    ],
+)
+async def test_logprobs_equal_teacher_forced_recomputation(checkpoints, view, dtype, atol):
+    engine = await _engine(checkpoints[view, 0], dtype)
+    samples = await engine.generate(GenerateRequest(PROMPT, 3, SAMPLING, seed=11))
+    exact = dtype == torch.float32
+    for sample in samples:
+        processed, recomputed, routing = _teacher_forced(engine, sample)
+        diff = (torch.tensor(sample.logprobs) - recomputed).abs()
+        if exact:
+            assert diff.max() < atol, (sample.logprobs, recomputed)
+        else:  # a routing flip can move one token's logprob more; on average they agree to bf16 precision
+            assert diff.mean() < atol / 2 and diff.max() < 5 * atol, (sample.logprobs, recomputed)
+        agree = [
+            set(sample.kept_ids[t]) == set(torch.nonzero(processed.kept[t]).flatten().tolist())
+            for t in range(len(sample.output_token_ids))
+        ]
+        assert all(agree) if exact else sum(agree) >= len(agree) * 0.75
+        assert all(len(ids) <= SAMPLING.logprobs_top_k for ids in sample.top_ids)
+        assert all(sample.top_logprobs[t][0] >= sample.logprobs[t] - 1e-6 for t in range(len(sample.logprobs)))
+        recorded = torch.tensor(sample.routed_experts)
+        assert recorded.shape == routing[: len(recorded)].shape
+        same_route = (recorded.sort(-1).values == routing[: len(recorded)].sort(-1).values).float().mean()
+        assert same_route == 1.0 if exact else same_route > 0.9
+        assert sample.version_spans[0].version == 0 and sample.version_spans[-1].end == len(sample.output_token_ids)
+
+
+async def test_views_are_numerically_different_islands(checkpoints):
+    bf16, fp8 = await _engine(checkpoints["bf16", 0]), await _engine(checkpoints["fp8_e4m3", 0])
+    sample = (await bf16.generate(GenerateRequest(PROMPT, 1, SAMPLING, seed=5)))[0]
+    _, on_bf16, _ = _teacher_forced(bf16, sample)
+    _, on_fp8, _ = _teacher_forced(fp8, sample)
+    assert not torch.allclose(on_bf16, on_fp8, atol=1e-3)
+    assert (on_bf16 - on_fp8).abs().max() < 1.0  # same policy, different numerics
+
+
+async def test_seeds_reproduce_samples(checkpoints):
+    engine = await _engine(checkpoints["bf16", 0])
+    a = await engine.generate(GenerateRequest(PROMPT, 2, SAMPLING, seed=3))
+    b = await engine.generate(GenerateRequest(PROMPT, 2, SAMPLING, seed=3))
+    assert [s.output_token_ids for s in a] == [s.output_token_ids for s in b]
+    assert a[0].output_token_ids != a[1].output_token_ids
+
+
+async def test_weights_committed_mid_generation_open_a_new_span(checkpoints):
+    engine = await _engine(checkpoints["bf16", 0])
+    v1 = model_state_dict(checkpoints["bf16", 1])
+    long = SamplingParams(temperature=1.0, max_new_tokens=40)
+    gate = threading.Event()
+    original = engine._step
+    calls = []
+
+    def step_then_hold(*args):
+        calls.append(1)
+        if len(calls) == 2:  # the first decode step, right after the prefill
+            engine._resumed.clear()  # what pause() does
+            gate.set()
+        return original(*args)
+
+    engine._step = step_then_hold
+    task = asyncio.create_task(engine.generate(GenerateRequest(PROMPT, 2, long, seed=1)))
+    await asyncio.to_thread(gate.wait)
+    engine.stage_for_next_step(v1, 1)  # staged while paused, committed when the step proceeds
+    await engine.resume()
+    samples = await task
+    for sample in samples:
+        spans = [(s.version, s.start, s.end) for s in sample.version_spans]
+        assert spans == [(0, 0, 1), (1, 1, 40)]
+    assert engine.weight_version() == 1

@@ -1,0 +1,250 @@
+"""The reference engine: PyTorch + transformers, CPU or GPU, and every output computed exactly.
+
+It samples in its own loop (not `generate`) so it can return what the trainer needs: the sampled
+token's logprob under the processed distribution (temperature, top-k, top-p) and under the raw one,
+the top-k of the processed distribution, the kept set, and the experts each MoE router picked
+(captured from the routers themselves). It runs in the view's numerics (bf16 compute; fp8 weights
+dequantized from their block scales), so its logprobs equal a teacher-forced recomputation on the
+same weights.
+
+Weights committed while a generation runs take effect at the next decode step, and the new
+version opens a new span over the output tokens: the in-flight update real engines do, visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.sampling import process_logits, truncates
+from schemas import VersionSpan
+from workers.engines.base import Capabilities, EngineUnavailable, GenerateRequest, Sample
+from workers.engines.weights import load_config, model_state_dict
+
+
+class ReferenceEngine:
+    def __init__(
+        self,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+        top_logprobs: int = 32,
+        threads: int | None = None,
+    ):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.top_logprobs = top_logprobs
+        self.threads = threads
+        self.model = None
+        self._version: int | None = None
+        self._lock = threading.Lock()  # one forward pass or weight commit at a time
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._resumed = threading.Event()
+        self._resumed.set()
+        self._aborted: set[str] = set()
+        self._started = False
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        self._started = True
+
+    async def health(self) -> bool:
+        return self._started
+
+    async def shutdown(self) -> None:
+        self._started = False
+        self.model = None
+
+    async def capabilities(self) -> Capabilities:
+        import transformers
+
+        return Capabilities(
+            engine="torch",
+            engine_version=f"torch-{torch.__version__}+transformers-{transformers.__version__}",
+            load_from_disk=True,
+            load_changed_tensors=True,
+            pause=True,
+            flush_cache=True,
+            top_logprobs=True,
+            sampling_mask=True,
+            routed_experts=True,
+            version_spans=True,
+            abort=True,
+            accelerator=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            kernels={"attention": "sdpa", "dtype": str(self.dtype).removeprefix("torch.")},
+        )
+
+    async def pause(self) -> None:
+        self._resumed.clear()
+
+    async def resume(self) -> None:
+        self._resumed.set()
+
+    def weight_version(self) -> int | None:
+        return self._version
+
+    async def flush_cache(self) -> None:
+        return None  # the KV cache lives only as long as one generate call
+
+    async def abort(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+
+    # ---------------------------------------------------------------- weights
+
+    async def load_weights(self, path: Path, version: int, changed: list[str] | None = None) -> float:
+        """Stage the weights (read + dequantize, no lock held), then commit; returns the pause in seconds."""
+        state = await asyncio.to_thread(model_state_dict, path, self.dtype)
+        if changed is not None:
+            state = {k: v for k, v in state.items() if k in set(changed)}
+        if self.model is None:
+            await asyncio.to_thread(self._build, path, state, version)
+            return 0.0
+        return await asyncio.to_thread(self._commit, state, version)
+
+    def _build(self, path: Path, state: dict[str, torch.Tensor], version: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        config = load_config(path)
+        model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+        model.load_state_dict(state, strict=True)
+        model.to(self.device).eval()
+        with self._lock:
+            self.model, self._version = model, version
+
+    def _commit(self, state: dict[str, torch.Tensor], version: int) -> float:
+        t0 = time.perf_counter()
+        with self._lock:
+            self._apply_state(state, version)
+        return time.perf_counter() - t0
+
+    def _apply_state(self, state: dict[str, torch.Tensor], version: int) -> None:
+        assert self.model is not None
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in state.items():
+                params[name].copy_(tensor)
+        self._version = version
+
+    def stage_for_next_step(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Commit at the next decode step of a running generation (or at once when idle)."""
+        with self._lock:
+            self._pending = (state, version)
+
+    # ---------------------------------------------------------------- generation
+
+    async def generate(self, request: GenerateRequest) -> list[Sample]:
+        if self.model is None:
+            raise EngineUnavailable("no weights loaded yet")
+        return await asyncio.to_thread(self._generate, request)
+
+    def _step(self, input_ids: torch.Tensor, cache, routing: list[torch.Tensor]):
+        self._resumed.wait()
+        with self._lock:
+            if self._pending is not None:
+                state, version = self._pending
+                self._pending = None
+                self._apply_state(state, version)
+            version = self._version
+            assert self.model is not None and version is not None
+            hooks = [
+                module.register_forward_hook(lambda _m, _i, out: routing.append(out[2].detach().cpu()))
+                for name, module in self.model.named_modules()
+                if name.endswith("mlp.gate")
+            ]
+            try:
+                with torch.no_grad():
+                    out = self.model(input_ids=input_ids.to(self.device), cache=cache, use_cache=True)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+        return out.logits[:, -1].float().cpu(), out.cache, version
+
+    def _generate(self, request: GenerateRequest) -> list[Sample]:
+        from transformers import DynamicCache
+
+        sp = request.sampling
+        n, prompt = request.n, list(request.prompt_token_ids)
+        generators = [torch.Generator().manual_seed(hash((request.seed, i)) & 0x7FFF_FFFF_FFFF) for i in range(n)]
+        record_kept = truncates(sp.temperature, sp.top_k, sp.top_p)
+        k = sp.logprobs_top_k if sp.logprobs_top_k > 0 else self.top_logprobs
+        stops = set(request.stop_token_ids)
+        cache = DynamicCache()
+        routing: list[torch.Tensor] = []  # per forward pass and layer: [tokens, top_k]
+        logits, cache, version = self._step(torch.tensor([prompt] * n), cache, routing)
+        layers = len(routing)
+        per_token_routing: list[torch.Tensor] = [torch.stack(routing, dim=1).view(n, len(prompt), layers, -1)]
+        routing.clear()
+        outputs: list[list[int]] = [[] for _ in range(n)]
+        lp, raw_lp = [[] for _ in range(n)], [[] for _ in range(n)]
+        top_ids, top_lps = [[] for _ in range(n)], [[] for _ in range(n)]
+        kept: list[list[list[int]]] = [[] for _ in range(n)]
+        spans: list[list[VersionSpan]] = [[] for _ in range(n)]
+        finish = ["length"] * n
+        done = [False] * n
+        span_start = [0] * n
+        span_version = [version] * n
+        for step in range(sp.max_new_tokens):
+            processed = process_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+            next_tokens = []
+            for i in range(n):
+                if done[i]:
+                    next_tokens.append(outputs[i][-1] if outputs[i] else 0)
+                    continue
+                if version != span_version[i]:
+                    spans[i].append(VersionSpan(version=span_version[i], start=span_start[i], end=step))
+                    span_start[i], span_version[i] = step, version
+                probs = processed.logprobs[i].exp()
+                token = (
+                    int(torch.multinomial(probs, 1, generator=generators[i]))
+                    if sp.temperature > 0
+                    else int(processed.logprobs[i].argmax())
+                )
+                outputs[i].append(token)
+                lp[i].append(float(processed.logprobs[i, token]))
+                raw_lp[i].append(float(processed.raw_logprobs[i, token]))
+                finite = int(processed.kept[i].sum())
+                values, ids = torch.topk(processed.logprobs[i], min(k, finite))
+                top_ids[i].append(ids.tolist())
+                top_lps[i].append(values.tolist())
+                if record_kept:
+                    kept_ids = torch.nonzero(processed.kept[i]).flatten()
+                    order = torch.argsort(processed.logprobs[i, kept_ids], descending=True, stable=True)
+                    kept[i].append(kept_ids[order].tolist())
+                if token in stops:
+                    done[i], finish[i] = True, "stop"
+                elif request.request_id and request.request_id in self._aborted:
+                    done[i], finish[i] = True, "abort"
+                next_tokens.append(token)
+            if all(done) or step == sp.max_new_tokens - 1:
+                break
+            logits, cache, version = self._step(torch.tensor(next_tokens).view(n, 1), cache, routing)
+            per_token_routing.append(torch.stack(routing, dim=1).view(n, 1, layers, -1))
+            routing.clear()
+        self._aborted.discard(request.request_id)
+        route = torch.cat(per_token_routing, dim=1) if layers else None
+        samples = []
+        for i in range(n):
+            spans[i].append(VersionSpan(version=span_version[i], start=span_start[i], end=len(outputs[i])))
+            processed_tokens = len(prompt) + len(outputs[i]) - 1
+            samples.append(
+                Sample(
+                    prompt_token_ids=prompt,
+                    output_token_ids=outputs[i],
+                    logprobs=lp[i],
+                    raw_logprobs=raw_lp[i],
+                    top_ids=top_ids[i],
+                    top_logprobs=top_lps[i],
+                    kept_ids=kept[i] if record_kept else None,
+                    routed_experts=route[i, :processed_tokens].tolist() if route is not None else None,
+                    version_spans=spans[i],
+                    finish_reason=finish[i],
+                )
+            )
+        return samples
