@@ -156,6 +156,8 @@ class IslandIdentity(Component, kw_only=True):
     engine_version: str = ""
     kernels: dict[str, str] = {}
     region: str = ""
+    group: str = ""
+    """The sampler group (e.g. `fp8-h100`): metrics like KL are reported per group."""
 
 
 class Trajectory(Event, kw_only=True, tag="trajectory.v1"):
@@ -169,6 +171,8 @@ class Trajectory(Event, kw_only=True, tag="trajectory.v1"):
     output_token_ids: list[int]
     logprobs: list[float]
     """Sampler logprob of each output token under the processed (temperature, top-p) distribution."""
+    raw_logprobs: list[float] = []
+    """The same tokens under the engine's unprocessed distribution (temperature 1, no truncation)."""
     finish_reason: Literal["stop", "length", "abort"]
     version_spans: list[VersionSpan]
     island: IslandIdentity
@@ -226,6 +230,12 @@ class IslandHeartbeat(Event, kw_only=True, tag="island_heartbeat.v2"):
     current_version: int | None
     state: Literal["starting", "serving", "catching_up", "draining"] = "serving"
     inflight_requests: int = 0
+    cached_versions: list[int] = []
+    """Versions materialized on the island's disk (a laggard catches up from these)."""
+    prompt_groups_done: int = 0
+    tokens_generated: int = 0
+    tokens_per_s: float = 0.0
+    """Output tokens per second since the previous heartbeat."""
 
 
 class TrainerMetrics(Event, kw_only=True, tag="trainer_metrics.v1"):

@@ -153,6 +153,17 @@ def cmd_sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sampler(args: argparse.Namespace) -> int:
+    """A sampler island: engine + version follower + prompt consumer."""
+    from workers.sampler import SamplerSettings
+
+    settings = _settings(SamplerSettings, args)
+    from workers.sampler import run_sampler
+
+    asyncio.run(run_sampler(settings))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from workers.bench import run_bench
 
@@ -183,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     p_sql.add_argument("--json", action="store_true", help="print rows as one JSON array")
     _common(p_sql)
     p_sql.set_defaults(func=cmd_sql)
+
+    p_sampler = sub.add_parser("sampler", help="run a sampler island (SPRAWL_ISLAND__VIEW=bf16|fp8_e4m3, ...)")
+    _common(p_sampler)
+    p_sampler.set_defaults(func=cmd_sampler)
 
     p_bench = sub.add_parser("bench", help="benchmarks (ratios against a baseline measured in the same run)")
     p_bench.add_argument("name", choices=["log", "delta"])

@@ -1,0 +1,216 @@
+"""An island: one engine, kept at an acceptable policy version.
+
+The island follows the policy log in the background (a core-NATS subscription on the run's
+policy subjects wakes it the moment a version is appended; a slow poll covers missed wake-ups),
+materializes each new version through the chain before anyone asks for it, and commits it to the
+engine with a short pause. Requests state which versions they accept; `ensure_version` either
+returns at once, catches up first, or refuses with the current and the wanted version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from dataclasses import dataclass, field
+
+from pipeline.blobstore import BlobStore
+from pipeline.config import MaterializeSettings, Section
+from pipeline.errors import SprawlError
+from pipeline.eventlog import EventLog
+from pipeline.logs import get_logger
+from pipeline.materialize import Materializer
+from pipeline.subjects import policy_filter
+from pipeline.version_log import VersionNotAvailable, chain_head
+from schemas import IslandIdentity, VersionConstraint
+from workers.engines.base import Capabilities, Engine
+
+log = get_logger(__name__)
+
+
+class IslandSection(Section):
+    island_id: str = ""
+    """Stable id of this island (default: `<host>-<view>`); trajectories and heartbeats carry it."""
+    group: str = ""
+    """Sampler group for per-group metrics (default: the view)."""
+    view: str = "bf16"
+    """Which served view this island materializes and serves."""
+    engine: str = "torch"
+    """`torch` (reference engine), `vllm` or `sglang`."""
+    engine_url: str = ""
+    """Base URL of the engine's HTTP server (vllm / sglang)."""
+    device: str = "cpu"
+    """Device of the reference engine (`cpu`, `cuda`, `cuda:1`)."""
+    compute_dtype: str = "bfloat16"
+    """Compute dtype of the reference engine; the view decides the weights' bits."""
+    top_logprobs: int = 32
+    """Top-k (id, logprob) pairs returned per generated token (score centering needs 32-128)."""
+    region: str = ""
+    """Where the island runs, for audits (e.g. `eu-west`)."""
+    poll_interval_s: float = 2.0
+    """Fallback poll of the chain head, in case a wake-up message was missed."""
+    materialize: MaterializeSettings = MaterializeSettings()
+    """Where versions are cached on this island's disk."""
+
+
+class VersionUnreachable(SprawlError):
+    """The request's version constraint cannot be met by this island (HTTP 409)."""
+
+    def __init__(self, current: int | None, wanted: str):
+        self.current, self.wanted = current, wanted
+        super().__init__(
+            f"island is at version {current}; the request wants {wanted}",
+            hint="retry later or route the request to another island",
+        )
+
+
+@dataclass
+class IslandStats:
+    commits: int = 0
+    pauses_s: list[float] = field(default_factory=list)
+    committed_at: dict[int, float] = field(default_factory=dict)
+    """Version -> time.time() when it started serving (for the sync benchmark)."""
+
+
+class Island:
+    def __init__(self, event_log: EventLog, blobs: BlobStore, engine: Engine, *, run_id: str, settings: IslandSection):
+        self.log = event_log
+        self.engine = engine
+        self.run_id = run_id
+        self.settings = settings
+        self.materializer = Materializer(
+            event_log, blobs, run_id=run_id, view=settings.view, settings=settings.materialize
+        )
+        self.stats = IslandStats()
+        self.head: int | None = None
+        self.capabilities: Capabilities | None = None
+        self.state = "starting"
+        self._commit_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._sub = None
+
+    @property
+    def version(self) -> int | None:
+        return self.engine.weight_version()
+
+    def identity(self) -> IslandIdentity:
+        caps = self.capabilities
+        island_id = self.settings.island_id or f"{socket.gethostname()}-{self.settings.view}".lower()
+        return IslandIdentity(
+            island_id=island_id,
+            accelerator=caps.accelerator if caps else "unknown",
+            view=self.settings.view,
+            engine=caps.engine if caps else self.settings.engine,
+            engine_version=caps.engine_version if caps else "",
+            kernels=dict(caps.kernels) if caps else {},
+            region=self.settings.region,
+            group=self.settings.group or self.settings.view,
+        )
+
+    async def start(self, *, follow: bool = True) -> None:
+        await self.engine.start()
+        self.capabilities = await self.engine.capabilities()
+        if follow:
+            self._sub = await self.log.nc.subscribe(policy_filter(self.run_id), cb=self._on_policy_message)
+            self._tasks.append(asyncio.create_task(self._follow(), name="island-follow"))
+
+    async def stop(self) -> None:
+        self.state = "draining"
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def _on_policy_message(self, _msg) -> None:
+        self._wake.set()
+
+    async def _follow(self) -> None:
+        """Keep the engine at the head of the chain (prefetch, stage, commit)."""
+        while True:
+            try:
+                head = await chain_head(self.log, self.run_id)
+                if head is not None:
+                    self.head = head.version if self.head is None else max(self.head, head.version)
+                    if self.version is None or self.version < head.version:
+                        await self.commit(head.version)
+            except (SprawlError, OSError) as exc:
+                log.warning("following the chain failed; will retry", error=str(exc))
+            except Exception as exc:  # a NATS hiccup must not end the follower
+                log.warning("following the chain failed; will retry", error=repr(exc))
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.settings.poll_interval_s)
+
+    async def commit(self, version: int) -> int:
+        """Materialize `version` (waiting for it to reach the log) and commit it to the engine."""
+        async with self._commit_lock:
+            if self.version is not None and self.version >= version:
+                return self.version
+            self.state = "catching_up" if self.version is not None else "starting"
+            got = await self.materializer.materialize(version)
+            pause = await self.engine.load_weights(got.path, version)
+            self.stats.commits += 1
+            self.stats.pauses_s.append(pause)
+            self.stats.committed_at[version] = time.time()
+            self.head = version if self.head is None else max(self.head, version)
+            self.state = "serving"
+            log.info(
+                "serving version",
+                version=version,
+                route=got.route,
+                pause_s=round(pause, 4),
+                downloaded_bytes=got.downloaded_bytes,
+            )
+            return version
+
+    async def ensure_version(
+        self, accepts: VersionConstraint | None, max_staleness: int | None = None, *, wait_s: float = 60.0
+    ) -> int:
+        """Return the committed version once it satisfies the constraint, catching up if possible."""
+        accepts = accepts or VersionConstraint()
+        if self.version is None:
+            head = await chain_head(self.log, self.run_id)
+            if head is None:
+                await self._wait_for_any(wait_s)
+            else:
+                await self.commit(head.version)
+        current = self.version
+        assert current is not None
+        if accepts.exact_version is not None:
+            if current == accepts.exact_version:
+                return current
+            if accepts.exact_version < current:
+                raise VersionUnreachable(current, f"exactly version {accepts.exact_version}")
+            return await self._catch_up(accepts.exact_version, f"exactly version {accepts.exact_version}")
+        target = accepts.min_version if accepts.min_version is not None else current
+        staleness = accepts.max_staleness if accepts.max_staleness is not None else max_staleness
+        if staleness is not None:
+            head = await chain_head(self.log, self.run_id)
+            if head is not None:
+                target = max(target, head.version - staleness)
+        if current >= target:
+            return current
+        return await self._catch_up(target, f"version >= {target}")
+
+    async def _catch_up(self, version: int, wanted: str) -> int:
+        try:
+            return await self.commit(version)
+        except VersionNotAvailable as exc:
+            raise VersionUnreachable(self.version, wanted) from exc
+
+    async def _wait_for_any(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while self.version is None:
+            head = await chain_head(self.log, self.run_id)
+            if head is not None:
+                await self.commit(head.version)
+                return
+            if time.monotonic() > deadline:
+                raise VersionUnreachable(None, "any version (the chain is empty)")
+            await asyncio.sleep(0.25)

@@ -1,0 +1,200 @@
+"""The sampler worker: prompt groups in, trajectory events out, at an acceptable policy version.
+
+One prompt group at a time from the shared `<run>-samplers` consumer: make sure the island's
+version is acceptable, generate n samples, publish one Trajectory per sample, and only then let
+the prompt be acked. Trajectory ids are `<group_id>-<sample_index>` and seeds derive from the
+group id, so a group redone elsewhere after a crash reproduces and replaces, never duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import time
+from pathlib import Path
+
+import xxhash
+
+from pipeline.blobstore import open_blob_store
+from pipeline.config import SprawlSettings
+from pipeline.consumer import Consumer, Delivery
+from pipeline.errors import PoisonEvent
+from pipeline.eventlog import EventLog
+from pipeline.logs import get_logger
+from schemas import IslandHeartbeat, PromptGroup, Trajectory
+from workers.engines.base import GenerateRequest, Sample
+from workers.engines.factory import create_engine
+from workers.island import Island, IslandSection, VersionUnreachable
+
+log = get_logger(__name__)
+
+
+class SamplerSettings(SprawlSettings):
+    island: IslandSection = IslandSection()
+    """The engine and view this sampler serves."""
+    max_staleness: int | None = None
+    """Largest accepted (head - serving) version gap; None: unbounded (the seed run's setting)."""
+    stop_token_ids: list[int] = []
+    """Extra stop tokens, besides the model config's eos_token_id."""
+    heartbeat_interval_s: float = 10.0
+    """How often the island reports its version, cache and throughput."""
+
+
+def trajectory_id(group_id: str, sample_index: int) -> str:
+    return f"{group_id}-{sample_index}"
+
+
+def group_seed(group: PromptGroup) -> int:
+    return (
+        group.sampling.seed if group.sampling.seed is not None else xxhash.xxh64_intdigest(group.group_id.encode()) >> 1
+    )
+
+
+class SamplerWorker:
+    def __init__(self, settings: SamplerSettings, event_log: EventLog, island: Island):
+        self.settings = settings
+        self.log = event_log
+        self.island = island
+        self.groups_done = 0
+        self.tokens = 0
+        self._tokens_at_beat = 0
+        self._beat_at = time.monotonic()
+        self._inflight = 0
+        self._tokenizer = None
+        self._tokenizer_dir: Path | None = None
+
+    async def handle(self, delivery: Delivery) -> None:
+        group = delivery.event
+        if not isinstance(group, PromptGroup):
+            raise PoisonEvent(f"expected a prompt group, got {type(group).type_tag()}", error_class="wrong_event")
+        try:
+            await self.island.ensure_version(group.accepts, self.settings.max_staleness)
+        except VersionUnreachable as exc:
+            raise RuntimeError(f"cannot serve group {group.group_id} yet: {exc}") from exc  # nak: retry later
+        self._inflight += 1
+        try:
+            samples = await self.island.engine.generate(
+                GenerateRequest(
+                    prompt_token_ids=group.prompt_token_ids,
+                    n=group.n_samples,
+                    sampling=group.sampling,
+                    stop_token_ids=self._stop_tokens(),
+                    seed=group_seed(group),
+                    request_id=delivery.event.event_id,
+                )
+            )
+        finally:
+            self._inflight -= 1
+        identity = self.island.identity()
+        for index, sample in enumerate(samples):
+            await self.log.append(self._trajectory(group, index, sample, identity))
+            self.tokens += len(sample.output_token_ids)
+        self.groups_done += 1
+
+    def _trajectory(self, group: PromptGroup, index: int, sample: Sample, identity) -> Trajectory:
+        return Trajectory(
+            run_id=group.run_id,
+            trajectory_id=trajectory_id(group.group_id, index),
+            group_id=group.group_id,
+            sample_index=index,
+            task=group.task,
+            prompt_token_ids=sample.prompt_token_ids,
+            output_token_ids=sample.output_token_ids,
+            logprobs=sample.logprobs,
+            raw_logprobs=sample.raw_logprobs,
+            finish_reason=sample.finish_reason,
+            version_spans=sample.version_spans,
+            island=identity,
+            sampling=group.sampling,
+            top_logprob_ids=sample.top_ids,
+            top_logprobs=sample.top_logprobs,
+            top_p_kept_ids=sample.kept_ids,
+            routed_experts=sample.routed_experts,
+            text=self._decode(sample.output_token_ids),
+        )
+
+    def _model_dir(self) -> Path | None:
+        return self.island.materializer.current()
+
+    def _stop_tokens(self) -> list[int]:
+        stops = list(self.settings.stop_token_ids)
+        directory = self._model_dir()
+        if directory is not None and (directory / "config.json").exists():
+            eos = json.loads((directory / "config.json").read_text()).get("eos_token_id")
+            stops += eos if isinstance(eos, list) else ([eos] if isinstance(eos, int) else [])
+        return sorted(set(stops))
+
+    def _decode(self, tokens: list[int]) -> str:
+        directory = self._model_dir()
+        if directory is None or not (directory / "tokenizer.json").exists():
+            return ""
+        if self._tokenizer is None or self._tokenizer_dir != directory:
+            from tokenizers import Tokenizer
+
+            self._tokenizer, self._tokenizer_dir = Tokenizer.from_file(str(directory / "tokenizer.json")), directory
+        return self._tokenizer.decode(tokens)
+
+    def heartbeat(self) -> IslandHeartbeat:
+        now = time.monotonic()
+        rate = (self.tokens - self._tokens_at_beat) / max(now - self._beat_at, 1e-9)
+        self._tokens_at_beat, self._beat_at = self.tokens, now
+        return IslandHeartbeat(
+            run_id=self.settings.run_id,
+            island=self.island.identity(),
+            current_version=self.island.version,
+            state=self.island.state
+            if self.island.state in ("starting", "serving", "catching_up", "draining")
+            else "serving",
+            inflight_requests=self._inflight,
+            cached_versions=self.island.materializer.cached_versions(),
+            prompt_groups_done=self.groups_done,
+            tokens_generated=self.tokens,
+            tokens_per_s=round(rate, 2),
+        )
+
+    async def _heartbeats(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self.log.append(self.heartbeat())
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.island.start()
+        beats = asyncio.create_task(self._heartbeats())
+        consumer = Consumer(
+            self.log, "PROMPTS", f"{self.settings.run_id}-samplers", self.handle, batch=1, fetch_timeout_s=0.5
+        )
+        try:
+            await consumer.run(stop)  # returns after the group in hand is finished: SIGTERM drains
+        finally:
+            beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beats
+            self.island.state = "draining"
+            with contextlib.suppress(Exception):
+                await self.log.append(self.heartbeat())
+            await self.island.stop()
+
+
+async def run_sampler(settings: SamplerSettings) -> None:
+    event_log = await EventLog.connect(settings, worker=f"sampler-{settings.island.view}")
+    engine = create_engine(
+        settings.island.engine,
+        url=settings.island.engine_url,
+        device=settings.island.device,
+        compute_dtype=settings.island.compute_dtype,
+        top_logprobs=settings.island.top_logprobs,
+    )
+    island = Island(
+        event_log, open_blob_store(settings.blobs), engine, run_id=settings.run_id, settings=settings.island
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await SamplerWorker(settings, event_log, island).run(stop)
+    finally:
+        await event_log.close()
