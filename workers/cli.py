@@ -164,6 +164,17 @@ def cmd_sampler(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sidecar(args: argparse.Namespace) -> int:
+    """The version-aware HTTP sidecar in front of one engine."""
+    from workers.sidecar import SidecarSettings
+
+    settings = _settings(SidecarSettings, args)
+    from workers.sidecar import run_sidecar
+
+    asyncio.run(run_sidecar(settings))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from workers.bench import run_bench
 
@@ -198,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     p_sampler = sub.add_parser("sampler", help="run a sampler island (SPRAWL_ISLAND__VIEW=bf16|fp8_e4m3, ...)")
     _common(p_sampler)
     p_sampler.set_defaults(func=cmd_sampler)
+
+    p_sidecar = sub.add_parser("sidecar", help="version-aware HTTP sidecar (OpenAI-compatible) for one engine")
+    _common(p_sidecar)
+    p_sidecar.set_defaults(func=cmd_sidecar)
 
     p_bench = sub.add_parser("bench", help="benchmarks (ratios against a baseline measured in the same run)")
     p_bench.add_argument("name", choices=["log", "delta"])

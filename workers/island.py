@@ -170,9 +170,18 @@ class Island:
             return version
 
     async def ensure_version(
-        self, accepts: VersionConstraint | None, max_staleness: int | None = None, *, wait_s: float = 60.0
+        self,
+        accepts: VersionConstraint | None,
+        max_staleness: int | None = None,
+        *,
+        wait_s: float = 60.0,
+        wait_for_log: bool = True,
     ) -> int:
-        """Return the committed version once it satisfies the constraint, catching up if possible."""
+        """Return the committed version once it satisfies the constraint, catching up if possible.
+
+        `wait_for_log=False` refuses at once (VersionUnreachable) when the wanted version is not in
+        the log yet, instead of waiting for the trainer: what an HTTP caller wants (409, retry).
+        """
         accepts = accepts or VersionConstraint()
         if self.version is None:
             head = await chain_head(self.log, self.run_id)
@@ -187,7 +196,7 @@ class Island:
                 return current
             if accepts.exact_version < current:
                 raise VersionUnreachable(current, f"exactly version {accepts.exact_version}")
-            return await self._catch_up(accepts.exact_version, f"exactly version {accepts.exact_version}")
+            return await self._catch_up(accepts.exact_version, f"exactly version {accepts.exact_version}", wait_for_log)
         target = accepts.min_version if accepts.min_version is not None else current
         staleness = accepts.max_staleness if accepts.max_staleness is not None else max_staleness
         if staleness is not None:
@@ -196,9 +205,13 @@ class Island:
                 target = max(target, head.version - staleness)
         if current >= target:
             return current
-        return await self._catch_up(target, f"version >= {target}")
+        return await self._catch_up(target, f"version >= {target}", wait_for_log)
 
-    async def _catch_up(self, version: int, wanted: str) -> int:
+    async def _catch_up(self, version: int, wanted: str, wait_for_log: bool) -> int:
+        if not wait_for_log:
+            head = await chain_head(self.log, self.run_id)
+            if head is None or head.version < version:
+                raise VersionUnreachable(self.version, wanted)
         try:
             return await self.commit(version)
         except VersionNotAvailable as exc:

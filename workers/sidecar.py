@@ -1,0 +1,396 @@
+"""The sidecar: an HTTP front for one engine that makes it version-aware.
+
+Routes
+- `POST /v1/completions`, `POST /v1/chat/completions`: OpenAI-compatible, for environments that
+  drive multi-turn episodes; responses add a `sprawl` object (token ids, logprobs, top-k, kept
+  sets, routed experts, version spans, island identity).
+- `POST /v1/tokens`: tokens in, tokens out, everything the trainer needs.
+- `GET /healthz` (the process is up), `/readyz` (serving a verified version), `/metrics`
+  (Prometheus text).
+
+Version constraints (`min_version`, `exact_version`, `max_staleness`) come in the body or as
+`X-Sprawl-Min-Version` / `X-Sprawl-Exact-Version` / `X-Sprawl-Max-Staleness` headers. At an
+acceptable version the request is served; behind but reachable, the island catches up first
+(materialize while serving, then a short commit pause); not reachable: 409 with the current and
+wanted version and Retry-After; engine down or no version yet: 503. Every response carries
+`X-Sprawl-Versions` (the spans that produced it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+from aiohttp import web
+
+from pipeline.blobstore import open_blob_store
+from pipeline.config import Section, SprawlSettings
+from pipeline.eventlog import EventLog
+from pipeline.logs import get_logger
+from schemas import SamplingParams, VersionConstraint
+from workers.engines.base import EngineError, GenerateRequest, Sample
+from workers.engines.factory import create_engine
+from workers.island import Island, IslandSection, VersionUnreachable
+
+log = get_logger(__name__)
+
+RETRY_AFTER_S = "1"
+
+
+class HTTPSection(Section):
+    host: str = "127.0.0.1"
+    """Interface to listen on."""
+    port: int = 8100
+    """Port to listen on (0: any free port)."""
+
+
+class SidecarSettings(SprawlSettings):
+    island: IslandSection = IslandSection()
+    """The engine and view behind this sidecar."""
+    http: HTTPSection = HTTPSection()
+    """Where the sidecar listens."""
+
+
+def _int(value: object) -> int | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise web.HTTPBadRequest(text=f"version constraints are integers, got {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"version constraints are integers, got {value!r}") from None
+
+
+def constraint_of(request: web.Request, body: dict) -> VersionConstraint:
+    def pick(field: str, header: str) -> int | None:
+        return _int(body.get(field, request.headers.get(header)))
+
+    return VersionConstraint(
+        min_version=pick("min_version", "X-Sprawl-Min-Version"),
+        exact_version=pick("exact_version", "X-Sprawl-Exact-Version"),
+        max_staleness=pick("max_staleness", "X-Sprawl-Max-Staleness"),
+    )
+
+
+def sampling_of(body: dict, max_tokens_key: str = "max_tokens") -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=float(body.get("temperature", 1.0)),
+            top_p=float(body.get("top_p", 1.0)),
+            top_k=int(body.get("top_k", -1)),
+            max_new_tokens=int(body.get(max_tokens_key, 16)),
+            logprobs_top_k=int(body.get("logprobs") or body.get("top_logprobs") or 0),
+            seed=int(body["seed"]) if body.get("seed") is not None else None,
+        )
+    except (TypeError, ValueError) as exc:
+        raise web.HTTPBadRequest(text=f"bad sampling parameters: {exc}") from exc
+
+
+def spans_header(samples: list[Sample]) -> str:
+    versions = sorted({s.version for sample in samples for s in sample.version_spans})
+    return ",".join(map(str, versions))
+
+
+class Sidecar:
+    def __init__(self, island: Island):
+        self.island = island
+        self.requests: Counter[int] = Counter()
+        self.tokens = 0
+        self._tokenizer = None
+        self._tokenizer_dir: Path | None = None
+
+    # ---------------------------------------------------------------- app
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._count])
+        app.add_routes(
+            [
+                web.get("/healthz", self.healthz),
+                web.get("/readyz", self.readyz),
+                web.get("/metrics", self.metrics),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat),
+                web.post("/v1/tokens", self.tokens_route),
+            ]
+        )
+        return app
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler):
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            self.requests[exc.status] += 1
+            raise
+        self.requests[response.status] += 1
+        return response
+
+    # ---------------------------------------------------------------- probes
+
+    async def healthz(self, _request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def readyz(self, _request: web.Request) -> web.Response:
+        healthy = await self._engine_healthy()
+        ready = healthy and self.island.version is not None and self.island.state == "serving"
+        body = {"ready": ready, "version": self.island.version, "state": self.island.state, "engine": healthy}
+        return web.json_response(body, status=200 if ready else 503)
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        pauses = self.island.stats.pauses_s
+        lines = [
+            "# HELP sprawl_island_version Policy version the engine serves.",
+            "# TYPE sprawl_island_version gauge",
+            f"sprawl_island_version {self.island.version if self.island.version is not None else -1}",
+            "# HELP sprawl_island_head_version Newest version seen in the log.",
+            "# TYPE sprawl_island_head_version gauge",
+            f"sprawl_island_head_version {self.island.head if self.island.head is not None else -1}",
+            "# HELP sprawl_requests_total Requests by HTTP status.",
+            "# TYPE sprawl_requests_total counter",
+            *(f'sprawl_requests_total{{code="{code}"}} {n}' for code, n in sorted(self.requests.items())),
+            "# HELP sprawl_generated_tokens_total Output tokens generated.",
+            "# TYPE sprawl_generated_tokens_total counter",
+            f"sprawl_generated_tokens_total {self.tokens}",
+            "# HELP sprawl_commit_pause_seconds Engine pause per weight commit.",
+            "# TYPE sprawl_commit_pause_seconds summary",
+            f"sprawl_commit_pause_seconds_count {len(pauses)}",
+            f"sprawl_commit_pause_seconds_sum {sum(pauses):.6f}",
+            "# HELP sprawl_cached_versions Versions materialized on disk.",
+            "# TYPE sprawl_cached_versions gauge",
+            f"sprawl_cached_versions {len(self.island.materializer.cached_versions())}",
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+
+    async def _engine_healthy(self) -> bool:
+        try:
+            return await self.island.engine.health()
+        except Exception:
+            return False
+
+    # ---------------------------------------------------------------- generation
+
+    async def _generate(
+        self, request: web.Request, body: dict, prompt_ids: list[int], sampling: SamplingParams, n: int
+    ) -> tuple[list[Sample], int]:
+        if not await self._engine_healthy() or self.island.version is None:
+            raise web.HTTPServiceUnavailable(
+                text='{"error": "engine is not serving"}',
+                content_type="application/json",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )
+        try:
+            version = await self.island.ensure_version(constraint_of(request, body), wait_for_log=False)
+        except VersionUnreachable as exc:
+            raise web.HTTPConflict(
+                text=_json({"error": "version_unavailable", "current_version": exc.current, "wanted": exc.wanted}),
+                content_type="application/json",
+                headers={"Retry-After": RETRY_AFTER_S},
+            ) from exc
+        try:
+            samples = await self.island.engine.generate(
+                GenerateRequest(
+                    prompt_token_ids=prompt_ids,
+                    n=n,
+                    sampling=sampling,
+                    stop_token_ids=self._stop_tokens(),
+                    seed=sampling.seed if sampling.seed is not None else uuid.uuid4().int >> 65,
+                    request_id=uuid.uuid4().hex,
+                )
+            )
+        except EngineError as exc:
+            status = web.HTTPServiceUnavailable if exc.retryable else web.HTTPBadGateway
+            raise status(
+                text=_json({"error": str(exc)}), content_type="application/json", headers={"Retry-After": RETRY_AFTER_S}
+            ) from exc
+        self.tokens += sum(len(s.output_token_ids) for s in samples)
+        return samples, version
+
+    async def tokens_route(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        prompt = body.get("prompt_token_ids")
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise web.HTTPBadRequest(text="prompt_token_ids must be a list of ints")
+        samples, _ = await self._generate(
+            request, body, prompt, sampling_of(body, "max_new_tokens"), int(body.get("n", 1))
+        )
+        payload = {"island": _struct(self.island.identity()), "samples": [_sample(s) for s in samples]}
+        return web.json_response(payload, headers={"X-Sprawl-Versions": spans_header(samples)})
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            prompt_ids = prompt
+        elif isinstance(prompt, str):
+            prompt_ids = self._encode(prompt)
+        else:
+            raise web.HTTPBadRequest(text="prompt must be a string or a list of token ids")
+        sampling = sampling_of(body)
+        samples, _ = await self._generate(request, body, prompt_ids, sampling, int(body.get("n", 1)))
+        choices = [
+            {
+                "index": i,
+                "text": self._decode(s.output_token_ids),
+                "finish_reason": s.finish_reason,
+                "logprobs": {
+                    "tokens": [self._decode([t]) for t in s.output_token_ids],
+                    "token_logprobs": s.logprobs,
+                    "top_logprobs": [
+                        dict(zip(map(str, ids), lps, strict=True))
+                        for ids, lps in zip(s.top_ids, s.top_logprobs, strict=True)
+                    ],
+                },
+            }
+            for i, s in enumerate(samples)
+        ]
+        return web.json_response(
+            self._openai("text_completion", body, prompt_ids, samples, choices),
+            headers={"X-Sprawl-Versions": spans_header(samples)},
+        )
+
+    async def chat(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise web.HTTPBadRequest(text="messages must be a non-empty list")
+        text = "".join(f"{m.get('role', 'user')}: {m.get('content', '')}\n" for m in messages) + "assistant: "
+        prompt_ids = self._encode(text)
+        sampling = sampling_of(body, "max_tokens" if "max_tokens" in body else "max_completion_tokens")
+        samples, _ = await self._generate(request, body, prompt_ids, sampling, int(body.get("n", 1)))
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": self._decode(s.output_token_ids)},
+                "finish_reason": s.finish_reason,
+            }
+            for i, s in enumerate(samples)
+        ]
+        return web.json_response(
+            self._openai("chat.completion", body, prompt_ids, samples, choices),
+            headers={"X-Sprawl-Versions": spans_header(samples)},
+        )
+
+    def _openai(self, kind: str, body: dict, prompt_ids: list[int], samples: list[Sample], choices: list) -> dict:
+        completion_tokens = sum(len(s.output_token_ids) for s in samples)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": body.get("model") or self.island.settings.view,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens,
+            },
+            "sprawl": {"island": _struct(self.island.identity()), "samples": [_sample(s) for s in samples]},
+        }
+
+    # ---------------------------------------------------------------- tokenizer
+
+    def _tokenizer_for(self):
+        directory = self.island.materializer.current()
+        if directory is None or not (directory / "tokenizer.json").exists():
+            raise web.HTTPBadRequest(text="this model ships no tokenizer.json: send token ids to /v1/tokens")
+        if self._tokenizer is None or self._tokenizer_dir != directory:
+            from tokenizers import Tokenizer
+
+            self._tokenizer, self._tokenizer_dir = Tokenizer.from_file(str(directory / "tokenizer.json")), directory
+        return self._tokenizer
+
+    def _encode(self, text: str) -> list[int]:
+        return self._tokenizer_for().encode(text).ids
+
+    def _decode(self, tokens: list[int]) -> str:
+        try:
+            return self._tokenizer_for().decode(tokens)
+        except web.HTTPBadRequest:
+            return ""
+
+    def _stop_tokens(self) -> list[int]:
+        import json
+
+        directory = self.island.materializer.current()
+        if directory is None or not (directory / "config.json").exists():
+            return []
+        eos = json.loads((directory / "config.json").read_text()).get("eos_token_id")
+        return eos if isinstance(eos, list) else ([eos] if isinstance(eos, int) else [])
+
+
+def _json(value: object) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def _struct(value: object) -> dict:
+    import msgspec
+
+    return msgspec.to_builtins(value)
+
+
+def _sample(s: Sample) -> dict:
+    return {
+        "prompt_token_ids": s.prompt_token_ids,
+        "output_token_ids": s.output_token_ids,
+        "logprobs": s.logprobs,
+        "raw_logprobs": s.raw_logprobs,
+        "top_ids": s.top_ids,
+        "top_logprobs": s.top_logprobs,
+        "kept_ids": s.kept_ids,
+        "routed_experts": s.routed_experts,
+        "version_spans": [{"version": v.version, "start": v.start, "end": v.end} for v in s.version_spans],
+        "finish_reason": s.finish_reason,
+    }
+
+
+async def _body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise web.HTTPBadRequest(text=f"body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text="body must be a JSON object")
+    return body
+
+
+async def serve(sidecar: Sidecar, host: str, port: int) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(sidecar.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, bound
+
+
+async def run_sidecar(settings: SidecarSettings) -> None:
+    event_log = await EventLog.connect(settings, worker=f"sidecar-{settings.island.view}")
+    engine = create_engine(
+        settings.island.engine,
+        url=settings.island.engine_url,
+        device=settings.island.device,
+        compute_dtype=settings.island.compute_dtype,
+        top_logprobs=settings.island.top_logprobs,
+    )
+    island = Island(
+        event_log, open_blob_store(settings.blobs), engine, run_id=settings.run_id, settings=settings.island
+    )
+    await island.start()
+    runner, port = await serve(Sidecar(island), settings.http.host, settings.http.port)
+    log.info("sidecar listening", host=settings.http.host, port=port, view=settings.island.view)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await island.stop()
+        await engine.shutdown()
+        await event_log.close()
