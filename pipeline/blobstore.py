@@ -239,7 +239,10 @@ class S3BlobStore:
     def _open(self, uri: str) -> tuple[Iterator[bytes], dict[str, str]]:
         bucket, key = self._split(uri)
         response = self._call(uri, bucket, self._client.get_object, Bucket=bucket, Key=key)
-        return response["Body"].iter_chunks(_READ_CHUNK), response.get("Metadata", {})
+        chunks = response["Body"].iter_chunks(_READ_CHUNK)
+        if self.settings.max_download_mbps:
+            chunks = _rate_limited(chunks, self.settings.max_download_mbps * 1e6 / 8)
+        return chunks, response.get("Metadata", {})
 
     def get_bytes(self, uri: str, *, expected: str | None = None) -> bytes:
         chunks, metadata = self._open(uri)
@@ -281,6 +284,20 @@ class S3BlobStore:
             self._client.head_bucket(Bucket=self.bucket)
         except ClientError:
             self._call(self.uri(""), self.bucket, self._client.create_bucket, Bucket=self.bucket)
+
+
+def _rate_limited(chunks: Iterator[bytes], bytes_per_s: float) -> Iterator[bytes]:
+    """Yield chunks no faster than `bytes_per_s` on average (a token bucket without burst)."""
+    import time
+
+    start = time.monotonic()
+    sent = 0
+    for chunk in chunks:
+        sent += len(chunk)
+        ahead = sent / bytes_per_s - (time.monotonic() - start)
+        if ahead > 0:
+            time.sleep(ahead)
+        yield chunk
 
 
 def _stream_to_file(uri: str, chunks: Iterator[bytes], path: Path, algorithm: ChecksumAlgorithm, want: str) -> BlobRef:

@@ -65,6 +65,9 @@ class S3BlobSettings(Section):
     """Timeout to open a connection to the endpoint."""
     read_timeout_s: float = 60.0
     """Timeout of a read on an open connection."""
+    max_download_mbps: float | None = None
+    """Cap on this process's download rate in megabits/s (None: no cap). Keeps a sampler from
+    saturating a shared cross-region link; `sprawl bench sync` uses it to model one."""
 
 
 class LocalBlobSettings(Section):

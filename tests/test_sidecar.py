@@ -35,7 +35,7 @@ TOKENS = {"prompt_token_ids": [1, 2, 3], "n": 2, "max_new_tokens": 5, "temperatu
 
 
 async def test_at_an_acceptable_version_the_request_is_served(served):
-    http, island, _, _ = served
+    http, _, _, _ = served
     async with http.post("/v1/tokens", json={**TOKENS, "max_staleness": 0}) as r:
         assert r.status == 200
         assert r.headers["X-Sprawl-Versions"] == "0"

@@ -71,6 +71,10 @@ class IslandStats:
     pauses_s: list[float] = field(default_factory=list)
     committed_at: dict[int, float] = field(default_factory=dict)
     """Version -> time.time() when it started serving (for the sync benchmark)."""
+    root_hashes: dict[int, str] = field(default_factory=dict)
+    """Version -> root hash of the verified bits it serves."""
+    routes: dict[int, str] = field(default_factory=dict)
+    pause_by_version: dict[int, float] = field(default_factory=dict)
 
 
 class Island:
@@ -158,6 +162,9 @@ class Island:
             self.stats.commits += 1
             self.stats.pauses_s.append(pause)
             self.stats.committed_at[version] = time.time()
+            self.stats.root_hashes[version] = got.root_hash
+            self.stats.routes[version] = got.route
+            self.stats.pause_by_version[version] = pause
             self.head = version if self.head is None else max(self.head, version)
             self.state = "serving"
             log.info(

@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-BENCHES = ("log", "delta")
+BENCHES = ("log", "delta", "sync")
 
 
 def run_bench(name: str, *, quick: bool, as_json: bool) -> int:
@@ -19,6 +19,10 @@ def run_bench(name: str, *, quick: bool, as_json: bool) -> int:
         from workers.bench.delta_bench import bench_delta
 
         rows, summary = bench_delta(quick=quick)
+    elif name == "sync":
+        from workers.bench.sync_bench import bench_sync
+
+        rows, summary = bench_sync(quick=quick)
     else:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHES)}")
     console = Console(width=max(160, Console().width))

@@ -10,35 +10,18 @@ publish; the local nats-server allows 8 MiB payloads so the baseline exists.
 from __future__ import annotations
 
 import asyncio
-import socket
-import tempfile
 import time
-from pathlib import Path
 
-from infra import stack
-from infra.stack import StackSection, StackSettings
+from infra.stack import StackSettings
 from infra.streams import apply
-from pipeline.config import NatsSettings, S3BlobSettings
 from pipeline.eventlog import EventLog
 from pipeline.logs import configure_logging
 from schemas import encode_event
 from schemas.events import IslandIdentity, Trajectory, VersionSpan
+from workers.bench.private_stack import private_stack
 
 SIZES = {"1k": 1024, "64k": 64 * 1024, "2m": 2 * 1024 * 1024}
 ISLAND = IslandIdentity(island_id="bench", accelerator="cpu", view="bf16", engine="torch")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _free_seaweed_base() -> int:
-    for base in range(31000, 39000, 37):
-        if all(stack.port_is_free(p) for p in [*range(base, base + 8), base + 7 + 10000]):
-            return base
-    raise RuntimeError("no free port block for SeaweedFS")
 
 
 def _event(run_id: str, size: int, n: int) -> Trajectory:
@@ -123,22 +106,5 @@ async def _measure(settings: StackSettings, quick: bool) -> tuple[list[dict], di
 
 def bench_log(quick: bool) -> tuple[list[dict], dict]:
     configure_logging("bench", fmt="json", level="WARNING")
-    with tempfile.TemporaryDirectory(prefix="sprawl-bench-") as tmp:
-        section = StackSection(
-            nats_port=_free_port(),
-            nats_monitor_port=_free_port(),
-            s3_port=_free_port(),
-            seaweed_port_base=_free_seaweed_base(),
-        )
-        settings = StackSettings(
-            run_id="bench",
-            state_dir=Path(tmp),
-            stack=section,
-            nats=NatsSettings(url=f"nats://127.0.0.1:{section.nats_port}"),
-            blobs=S3BlobSettings(endpoint_url=f"http://127.0.0.1:{section.s3_port}"),
-        )
-        stack.up(settings)
-        try:
-            return asyncio.run(_measure(settings, quick))
-        finally:
-            stack.down(settings)
+    with private_stack("bench") as settings:
+        return asyncio.run(_measure(settings, quick))

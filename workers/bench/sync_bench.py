@@ -1,0 +1,219 @@
+"""`sprawl bench sync`: from a version's append to every island serving it, patch path vs keyframe path.
+
+The trainer side publishes versions of a Qwen3-MoE (Adam-sized steps, lr 1e-6) through the real
+ChainPublisher; 1, 2 and 4 island processes follow the chain (materialize, verify, commit to the
+reference engine). Latency per island and version = the moment the island serves the version minus
+the moment its event was appended. The patch path (one keyframe, then patches) and the keyframe
+path (every version a keyframe) run in the same invocation on the same machine; their ratio is
+the figure. The pause is the time the engine stopped serving to commit the new weights.
+
+Everything here is on one machine, so downloads run at loopback speed and local work (reading,
+verifying and writing the version, loading it into the engine) dominates both paths. The same
+runs are repeated with each island's downloads capped at 1 Gbit/s (`blobs.max_download_mbps`),
+a cross-region link, where bytes on the wire dominate as they do in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from infra.streams import apply
+from pipeline.blobstore import open_blob_store
+from pipeline.chain_publish import ChainPublisher
+from pipeline.config import ChainSettings
+from pipeline.eventlog import EventLog
+from pipeline.logs import configure_logging
+from workers.bench.delta_bench import moe_config
+from workers.bench.private_stack import private_stack
+
+
+class _IslandProcess:
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+        self.commits: dict[int, dict] = {}
+        self.ready = asyncio.Event()
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None
+        async for line in self.proc.stdout:
+            record = json.loads(line)
+            if record.get("ready"):
+                self.ready.set()
+            elif "version" in record:
+                self.commits[record["version"]] = record
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 20)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        self.reader.cancel()
+
+
+async def _start_islands(
+    settings, run_id: str, count: int, cache_root: Path, link_mbps: float | None
+) -> list[_IslandProcess]:
+    islands = []
+    for i in range(count):
+        env = {
+            **os.environ,
+            "SPRAWL_RUN_ID": run_id,
+            "SPRAWL_NATS__URL": settings.nats.url,
+            "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+            "SPRAWL_ISLAND__ISLAND_ID": f"{run_id}-{i}",
+            "SPRAWL_ISLAND__POLL_INTERVAL_S": "5",
+            "SPRAWL_ISLAND__MATERIALIZE__CACHE_DIR": str(cache_root / f"island-{i}"),
+            "OMP_NUM_THREADS": "1",
+        }
+        if link_mbps:
+            env["SPRAWL_BLOBS__MAX_DOWNLOAD_MBPS"] = str(link_mbps)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "workers.bench.island_proc",
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        islands.append(_IslandProcess(proc))
+    for island in islands:
+        await asyncio.wait_for(island.ready.wait(), 120)
+    return islands
+
+
+async def _wait_all(islands: list[_IslandProcess], version: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(version in i.commits for i in islands):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"islands did not reach version {version}")
+        if any(i.proc.returncode is not None for i in islands):
+            raise RuntimeError("an island process exited")
+        await asyncio.sleep(0.005)
+
+
+async def _one_run(
+    settings, event_log, path: str, count: int, versions: int, quick: bool, tmp: Path, link_mbps: float | None
+) -> dict:
+    from transformers import Qwen3MoeForCausalLM
+
+    run_id = f"sync-{path}-{count}-{'wan' if link_mbps else 'lo'}"
+    await apply(event_log.js, settings.streams, run_id)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(moe_config(quick))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    publisher = ChainPublisher(
+        event_log,
+        open_blob_store(settings.blobs),
+        run_id=run_id,
+        model_config=model.config.to_dict(),
+        settings=ChainSettings(views=["bf16"], keyframe_every=1 if path == "keyframe" else 1_000_000),
+    )
+    event0 = await publisher.publish(0, state)
+    islands = await _start_islands(settings, run_id, count, tmp / run_id, link_mbps)
+    latencies, pauses, verified = [], [], True
+    try:
+        await _wait_all(islands, 0)
+        gen = torch.Generator().manual_seed(1)
+        verified &= all(i.commits[0]["root_hash"] == event0.views[0].root_hash for i in islands)
+        for version in range(1, versions + 1):
+            with torch.no_grad():
+                for tensor in state.values():
+                    tensor.add_(torch.randn(tensor.shape, generator=gen).sign() * 1e-6)
+            event = await publisher.publish(version, state)
+            appended = time.time()
+            await _wait_all(islands, version)
+            for island in islands:
+                record = island.commits[version]
+                latencies.append(record["committed_at"] - appended)
+                pauses.append(record["pause_s"])
+                verified &= record["root_hash"] == event.views[0].root_hash
+        bytes_per_version = event.views[0].bytes
+    finally:
+        for island in islands:
+            await island.stop()
+        publisher.close()
+    return {
+        "link": f"{link_mbps:g} Mbit/s" if link_mbps else "loopback",
+        "path": path,
+        "islands": count,
+        "p50_s": statistics.median(latencies),
+        "max_s": max(latencies),
+        "pause_p50_s": statistics.median(pauses),
+        "bytes_per_version": bytes_per_version,
+        "verified": verified,
+    }
+
+
+def _summarize(rows: list[dict]) -> dict:
+    patch = [r for r in rows if r["path"] == "patch"]
+    keyframe = [r for r in rows if r["path"] == "keyframe"]
+    patch_p50 = statistics.median(r["p50_s"] for r in patch)
+    keyframe_p50 = statistics.median(r["p50_s"] for r in keyframe)
+    return {
+        "patch_p50_s": round(patch_p50, 4),
+        "keyframe_p50_s": round(keyframe_p50, 4),
+        "patch_vs_keyframe": round(patch_p50 / keyframe_p50, 4),
+        "pause_p50_s": round(statistics.median(r["pause_p50_s"] for r in rows), 5),
+        "verified": all(r["verified"] for r in rows),
+        "by_islands": {
+            str(c): {r["path"]: round(r["p50_s"], 4) for r in rows if r["islands"] == c}
+            for c in sorted({r["islands"] for r in rows})
+        },
+    }
+
+
+async def _measure(settings, quick: bool, link_mbps: float) -> tuple[list[dict], dict]:
+    counts = [1, 2] if quick else [1, 2, 4]
+    versions = 3 if quick else 6
+    rows = []
+    event_log = await EventLog.connect(settings, worker="bench-sync")
+    try:
+        with tempfile.TemporaryDirectory(prefix="sprawl-sync-") as tmp:
+            for link in (None, link_mbps):
+                for count in counts:
+                    for path in ("patch", "keyframe"):
+                        rows.append(await _one_run(settings, event_log, path, count, versions, quick, Path(tmp), link))
+    finally:
+        await event_log.close()
+    loopback = _summarize([r for r in rows if r["link"] == "loopback"])
+    wan = _summarize([r for r in rows if r["link"] != "loopback"])
+    summary = {
+        "quick": quick,
+        "islands": counts,
+        "versions_per_run": versions,
+        **loopback,
+        "wan_link_mbps": link_mbps,
+        "wan": wan,
+        "wan_patch_vs_keyframe": wan["patch_vs_keyframe"],
+        "verified": loopback["verified"] and wan["verified"],
+        "patch_bytes": next(r["bytes_per_version"] for r in rows if r["path"] == "patch"),
+        "keyframe_bytes": next(r["bytes_per_version"] for r in rows if r["path"] == "keyframe"),
+    }
+    table = [
+        {**r, "p50_s": f"{r['p50_s']:.3f}", "max_s": f"{r['max_s']:.3f}", "pause_p50_s": f"{r['pause_p50_s']:.4f}"}
+        for r in rows
+    ]
+    return table, summary
+
+
+WAN_LINK_MBPS = 1000.0
+"""The modelled cross-region link: 1 Gbit/s per island, a common inter-region budget per node."""
+
+
+def bench_sync(quick: bool) -> tuple[list[dict], dict]:
+    configure_logging("bench", fmt="json", level="WARNING")
+    with private_stack("sync") as settings:
+        return asyncio.run(_measure(settings, quick, WAN_LINK_MBPS))
