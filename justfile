@@ -33,6 +33,10 @@ test *ARGS:
 test-all *ARGS:
     python -m pytest -m "not gpu" {{ARGS}}
 
+# vLLM and SGLang checks on a GPU machine (starts both engines on a tiny keyframe; < 8 minutes)
+test-gpu:
+    infra/gpu_check.sh
+
 # a benchmark, e.g. `just bench log --quick --json`
 bench NAME *ARGS:
     sprawl bench {{NAME}} {{ARGS}}
