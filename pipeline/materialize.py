@@ -90,6 +90,14 @@ class Materializer:
 
     # ---------------------------------------------------------------- public
 
+    def known_event(self, version: int) -> PolicyVersion | None:
+        """The version's event, if this materializer has already read it from the log."""
+        return self._events.get(version)
+
+    def view_entry(self, event: PolicyVersion) -> ViewVersion:
+        """This materializer's view in a version event."""
+        return self._view_of(event)
+
     def cached_versions(self) -> list[int]:
         return sorted(int(p.name[1:]) for p in self.root.glob("v*") if (p / MANIFEST_FILE).exists())
 

@@ -143,3 +143,24 @@ async def test_weights_committed_mid_generation_open_a_new_span(checkpoints):
         spans = [(s.version, s.start, s.end) for s in sample.version_spans]
         assert spans == [(0, 0, 1), (1, 1, 40)]
     assert engine.weight_version() == 1
+
+
+@pytest.mark.parametrize("view", ["bf16", "fp8_e4m3"])
+async def test_loading_only_changed_tensors_equals_a_full_load(checkpoints, view):
+    from pipeline.bits import checksum, to_bits
+    from workers.engines.weights import read_served_tensors
+
+    old, new = read_served_tensors(checkpoints[view, 0]), read_served_tensors(checkpoints[view, 1])
+    changed = sorted(n for n in new if checksum(to_bits(new[n])) != checksum(to_bits(old[n])))
+    some = [n for n in changed if ".experts.1." in n or "q_proj" in n]
+    assert some
+    partial = await _engine(checkpoints[view, 0])
+    await partial.load_weights(checkpoints[view, 1], 1, changed=changed)
+    full = await _engine(checkpoints[view, 1])
+    for name, tensor in full.model.state_dict().items():
+        assert torch.equal(tensor, partial.model.state_dict()[name]), name
+    untouched = await _engine(checkpoints[view, 0])
+    reference = {k: v.clone() for k, v in untouched.model.state_dict().items()}
+    await untouched.load_weights(checkpoints[view, 1], 1, changed=[])
+    assert untouched.weight_version() == 1
+    assert all(torch.equal(v, untouched.model.state_dict()[k]) for k, v in reference.items())

@@ -158,7 +158,7 @@ class Island:
                 return self.version
             self.state = "catching_up" if self.version is not None else "starting"
             got = await self.materializer.materialize(version)
-            pause = await self.engine.load_weights(got.path, version)
+            pause = await self.engine.load_weights(got.path, version, self._changed_since(self.version, version))
             self.stats.commits += 1
             self.stats.pauses_s.append(pause)
             self.stats.committed_at[version] = time.time()
@@ -175,6 +175,20 @@ class Island:
                 downloaded_bytes=got.downloaded_bytes,
             )
             return version
+
+    def _changed_since(self, current: int | None, version: int) -> list[str] | None:
+        """Served tensors whose bits differ between the version the engine holds and `version`
+        (None: reload everything), when the engine can load changed tensors only."""
+        if current is None or self.capabilities is None or not self.capabilities.load_changed_tensors:
+            return None
+        held, wanted = self.materializer.known_event(current), self.materializer.known_event(version)
+        if held is None or wanted is None:
+            return None
+        old = {t.name: t.xxh3 for t in self.materializer.view_entry(held).tensors}
+        new = {t.name: t.xxh3 for t in self.materializer.view_entry(wanted).tensors}
+        if set(old) != set(new):
+            return None
+        return sorted(name for name, digest in new.items() if old[name] != digest)
 
     async def ensure_version(
         self,

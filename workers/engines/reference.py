@@ -100,9 +100,9 @@ class ReferenceEngine:
 
     async def load_weights(self, path: Path, version: int, changed: list[str] | None = None) -> float:
         """Stage the weights (read + dequantize, no lock held), then commit; returns the pause in seconds."""
-        state = await asyncio.to_thread(model_state_dict, path, self.dtype)
-        if changed is not None:
-            state = {k: v for k, v in state.items() if k in set(changed)}
+        if self.model is None:
+            changed = None  # the first load builds the whole model
+        state = await asyncio.to_thread(model_state_dict, path, self.dtype, changed)
         if self.model is None:
             await asyncio.to_thread(self._build, path, state, version)
             return 0.0

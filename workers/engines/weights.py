@@ -21,14 +21,36 @@ from pipeline.views import dequantize_fp8_block
 _EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts\.)(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
-def read_served_tensors(directory: Path) -> dict[str, torch.Tensor]:
+def read_served_tensors(directory: Path, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The served tensors of a materialized version; `only` reads just those names."""
     weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+    wanted = set(weight_map) if only is None else set(weight_map) & only
     tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
+    for shard in sorted({weight_map[n] for n in wanted}):
         with safe_open(str(directory / shard), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118
-                tensors[name] = f.get_tensor(name)
+                if name in wanted:
+                    tensors[name] = f.get_tensor(name)
     return tensors
+
+
+def affected_disk_tensors(directory: Path, changed: list[str]) -> set[str]:
+    """Disk tensors to read so every in-memory tensor touched by `changed` can be rebuilt: a changed
+    expert brings its whole fused layer along, a changed fp8 weight its scale (and the reverse)."""
+    names = set(json.loads((directory / INDEX_FILE).read_text())["weight_map"])
+    layers = {m["prefix"] for n in changed if (m := _EXPERT.match(n.removesuffix("_scale_inv")))}
+    out = set(changed)
+    for name in names:
+        base = name.removesuffix("_scale_inv")
+        match = _EXPERT.match(base)
+        if match and match["prefix"] in layers:
+            out.add(name)
+        if base in out or name.removesuffix("weight") + "weight" in out:
+            out.add(name)
+    for name in list(out):
+        out.add(name.removesuffix("weight") + "weight_scale_inv" if name.endswith(".weight") else name)
+        out.add(name.removesuffix("_scale_inv"))
+    return out & names
 
 
 def to_compute_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -66,9 +88,12 @@ def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def model_state_dict(directory: Path, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """A materialized version as a transformers state dict in `dtype`."""
-    return fuse_experts(to_compute_dtype(read_served_tensors(directory), dtype))
+def model_state_dict(
+    directory: Path, dtype: torch.dtype = torch.bfloat16, changed: list[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """A materialized version as a transformers state dict in `dtype` (only what `changed` touches)."""
+    only = affected_disk_tensors(directory, changed) if changed is not None else None
+    return fuse_experts(to_compute_dtype(read_served_tensors(directory, only), dtype))
 
 
 def load_config(directory: Path):
