@@ -230,6 +230,8 @@ class IslandHeartbeat(Event, kw_only=True, tag="island_heartbeat.v2"):
     current_version: int | None
     state: Literal["starting", "serving", "catching_up", "draining"] = "serving"
     inflight_requests: int = 0
+    queue_pending: int | None = None
+    """Prompt groups waiting in the shared queue (None when not known)."""
     cached_versions: list[int] = []
     """Versions materialized on the island's disk (a laggard catches up from these)."""
     prompt_groups_done: int = 0

@@ -205,5 +205,7 @@ async def test_sglang_adapter_probes_commits_and_generates(fake_sglang):
     samples = await engine.generate(REQUEST)
     assert len(samples) == 2 and samples[0].version_spans[-1].version == 4
     assert np.array(samples[0].routed_experts).shape == (6, 2, 2)
+    await engine.set_weight_version(2)
+    assert engine.weight_version() == 2 and calls[-1] == "/update_weight_version"
     assert await engine.health()
     await engine.shutdown()

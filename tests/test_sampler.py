@@ -137,6 +137,7 @@ async def test_bf16_and_fp8_islands_record_their_own_numerics(event_log, setting
     heartbeats = [r.event async for r in replay(event_log, "METRICS", f"rl.{settings.run_id}.heartbeat.>")]
     assert {h.island.view for h in heartbeats} == {"bf16", "fp8_e4m3"}
     assert any(h.cached_versions == [0] and h.prompt_groups_done == 2 for h in heartbeats)
+    assert all(h.queue_pending is not None for h in heartbeats if h.state == "serving")
 
 
 async def test_a_version_published_mid_generation_shows_as_two_spans(event_log, settings, tmp_path):

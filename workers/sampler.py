@@ -15,6 +15,7 @@ import signal
 import time
 from pathlib import Path
 
+import msgspec
 import xxhash
 
 from pipeline.blobstore import open_blob_store
@@ -154,10 +155,19 @@ class SamplerWorker:
             tokens_per_s=round(rate, 2),
         )
 
+    async def _queue_pending(self) -> int | None:
+        try:
+            info = await self.log.js.consumer_info("PROMPTS", f"{self.settings.run_id}-samplers")
+        except Exception:
+            return None
+        return info.num_pending
+
     async def _heartbeats(self) -> None:
         while True:
             with contextlib.suppress(Exception):
-                await self.log.append(self.heartbeat())
+                beat = self.heartbeat()
+                beat = msgspec.structs.replace(beat, queue_pending=await self._queue_pending())
+                await self.log.append(beat)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def run(self, stop: asyncio.Event) -> None:

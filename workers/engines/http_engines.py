@@ -300,6 +300,13 @@ class SGLangEngine(_HTTPEngine):
     async def flush_cache(self) -> None:
         await self._request("POST", "/flush_cache")
 
+    async def set_weight_version(self, version: int) -> None:
+        # abort_all_requests defaults to true upstream; false splits running requests into spans.
+        await self._request(
+            "POST", "/update_weight_version", json={"new_version": str(version), "abort_all_requests": False}
+        )
+        self._version = version
+
     async def abort(self, request_id: str) -> None:
         await self._request("POST", "/abort_request", json={"rid": request_id})
 
@@ -379,6 +386,10 @@ class VLLMEngine(_HTTPEngine):
 
     async def flush_cache(self) -> None:
         await self._request("POST", "/reset_prefix_cache")
+
+    async def set_weight_version(self, version: int) -> None:
+        await self._request("POST", "/update_weight_version", json={"new_version": str(version)})
+        self._version = version
 
     async def abort(self, request_id: str) -> None:
         await self._request("POST", "/abort_requests", json={"request_ids": [request_id]})

@@ -90,6 +90,10 @@ class ReferenceEngine:
     def weight_version(self) -> int | None:
         return self._version
 
+    async def set_weight_version(self, version: int) -> None:
+        with self._lock:
+            self._version = version
+
     async def flush_cache(self) -> None:
         return None  # the KV cache lives only as long as one generate call
 
