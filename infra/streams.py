@@ -56,6 +56,7 @@ STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec("REWARDS", ["rl.*.reward.>"], "rewards keyed by trajectory id"),
     StreamSpec("METRICS", ["rl.*.metrics.>", "rl.*.heartbeat.>"], "trainer metrics and island heartbeats"),
     StreamSpec("DEADLETTER", ["rl.*.deadletter.>"], "messages consumers refused, with reasons"),
+    StreamSpec("TRAINER", ["rl.*.trainer.>"], "trainer checkpoints, leases and dropped groups"),
 )
 
 

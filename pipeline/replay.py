@@ -6,6 +6,7 @@ durable cursors stay with the workers that own them.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -74,6 +75,50 @@ async def replay(
                         "replay skipped an undecodable event",
                         stream_seq=msg.metadata.sequence.stream,
                         reason=exc.message,
+                    )
+                    continue
+                yield Replayed(msg.metadata.sequence.stream, msg.subject, event)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            await event_log.js.delete_consumer(stream, info.name)
+
+
+async def tail(
+    event_log: EventLog,
+    stream: str,
+    subject_filter: str,
+    start_seq: int,
+    stop: asyncio.Event,
+    *,
+    batch: int = 256,
+    idle_timeout_s: float = 0.5,
+) -> AsyncIterator[Replayed]:
+    """Like `replay`, but keeps following the stream until `stop` is set (a projection's live feed)."""
+    config = api.ConsumerConfig(
+        ack_policy=api.AckPolicy.NONE,
+        filter_subject=subject_filter,
+        inactive_threshold=120.0,
+        mem_storage=True,
+        num_replicas=1,
+        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=max(start_seq, 1),
+    )
+    sub = await event_log.js.pull_subscribe(subject_filter, durable=None, stream=stream, config=config)
+    info = await sub.consumer_info()
+    try:
+        while not stop.is_set():
+            try:
+                msgs = await sub.fetch(batch, timeout=idle_timeout_s)
+            except nats.errors.TimeoutError:
+                continue
+            for msg in msgs:
+                try:
+                    event = await event_log.resolve(msg.data)
+                except PoisonEvent as exc:
+                    log.warning(
+                        "tail skipped an undecodable event", stream_seq=msg.metadata.sequence.stream, reason=exc.message
                     )
                     continue
                 yield Replayed(msg.metadata.sequence.stream, msg.subject, event)

@@ -9,10 +9,13 @@ from schemas import (
     ClaimCheck,
     DeadLetter,
     Event,
+    GroupDropped,
     IslandHeartbeat,
     PolicyVersion,
     PromptGroup,
     Reward,
+    TrainerCheckpoint,
+    TrainerLease,
     TrainerMetrics,
     Trajectory,
 )
@@ -70,6 +73,12 @@ def subject_for(event: Event) -> str:
             return f"rl.{run}.metrics.trainer"
         case DeadLetter():
             return f"rl.{run}.deadletter.{token(event.stream, 'stream')}"
+        case TrainerCheckpoint():
+            return f"rl.{run}.trainer.checkpoint"
+        case GroupDropped():
+            return f"rl.{run}.trainer.dropped"
+        case TrainerLease():
+            return f"rl.{run}.trainer.lease"
         case ClaimCheck():
             raise ValueError("a claim check travels on the subject of the event it stands in for")
     raise ValueError(f"no subject is defined for event type {type(event).type_tag()}")

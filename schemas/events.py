@@ -188,6 +188,8 @@ class Trajectory(Event, kw_only=True, tag="trajectory.v1"):
     loss_mask: list[int] | None = None
     """Per output token, 1 if the trainer learns from it (multi-turn: 0 for tool output)."""
     text: str = ""
+    group_size: int = 0
+    """n, the samples in this trajectory's prompt group (0: unknown, the trainer's setting applies)."""
 
     def business_key(self) -> str:
         return f"traj.{self.trajectory_id}"
@@ -248,6 +250,42 @@ class TrainerMetrics(Event, kw_only=True, tag="trainer_metrics.v1"):
     """Metrics per sampler group (island view/accelerator), e.g. KL by precision."""
 
 
+class TrainerCheckpoint(Event, kw_only=True, tag="trainer_checkpoint.v1"):
+    """The trainer's state after publishing `version` is durable at `uri` (blob first, event second)."""
+
+    version: int
+    step: int
+    uri: str
+    sha256: str
+    bytes: int
+    trajectory_position: int
+    """Replay trajectories from this stream sequence to rebuild what was pending."""
+    reward_position: int
+
+    def business_key(self) -> str:
+        return f"ckpt.v{self.version}.{self.event_id}"
+
+
+class GroupDropped(Event, kw_only=True, tag="group_dropped.v1"):
+    """A prompt group the trainer gave up on, and why."""
+
+    group_id: str
+    reason: str
+    trajectory_ids: list[str]
+    waited_s: float
+
+    def business_key(self) -> str:
+        return f"dropped.{self.group_id}"
+
+
+class TrainerLease(Event, kw_only=True, tag="trainer_lease.v1"):
+    """The trainer holding a run says it is alive; a second trainer refuses to start while it is fresh."""
+
+    holder: str
+    expires_at: float
+    """Unix time after which another trainer may take over."""
+
+
 # ---------------------------------------------------------------- plumbing
 
 
@@ -286,4 +324,7 @@ CURRENT_EVENTS: tuple[type[Event], ...] = (
     TrainerMetrics,
     DeadLetter,
     ClaimCheck,
+    TrainerCheckpoint,
+    GroupDropped,
+    TrainerLease,
 )

@@ -175,6 +175,17 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trainer(args: argparse.Namespace) -> int:
+    """The trainer: corrected GRPO updates, versions out, recovery by replay."""
+    from workers.trainer import TrainerSettings
+
+    settings = _settings(TrainerSettings, args)
+    from workers.trainer import run_trainer
+
+    asyncio.run(run_trainer(settings))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from workers.bench import run_bench
 
@@ -213,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     p_sidecar = sub.add_parser("sidecar", help="version-aware HTTP sidecar (OpenAI-compatible) for one engine")
     _common(p_sidecar)
     p_sidecar.set_defaults(func=cmd_sidecar)
+
+    p_trainer = sub.add_parser("trainer", help="run the trainer (SPRAWL_TRAINER__MODEL_DIR=...)")
+    _common(p_trainer)
+    p_trainer.set_defaults(func=cmd_trainer)
 
     p_bench = sub.add_parser("bench", help="benchmarks (ratios against a baseline measured in the same run)")
     p_bench.add_argument("name", choices=["log", "delta", "sync"])

@@ -114,6 +114,7 @@ class SamplerWorker:
             top_p_kept_ids=sample.kept_ids,
             routed_experts=sample.routed_experts,
             text=self._decode(sample.output_token_ids),
+            group_size=group.n_samples,
         )
 
     def _model_dir(self) -> Path | None:

@@ -1,0 +1,237 @@
+"""One trainer update: a batch of prompt groups -> tensors -> corrected loss -> optimizer step -> metrics.
+
+Kept apart from the worker loop so that the live path and the recovery replay run the exact same
+code, which is what makes a resumed run's versions bit-identical to an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.batching import GroupBatchItem
+from pipeline.off_policy import LossConfig, grpo_advantages, policy_loss
+from pipeline.routing_replay import replay_routing
+from schemas import Trajectory
+
+STALENESS_BUCKETS = {
+    "staleness_0": (0, 0),
+    "staleness_1": (1, 1),
+    "staleness_2": (2, 2),
+    "staleness_3_4": (3, 4),
+    "staleness_5_8": (5, 8),
+    "staleness_9_plus": (9, 1 << 30),
+}
+"""Histogram of per-token staleness (trainer version minus the version that produced the token)."""
+
+
+@dataclass
+class UpdateConfig:
+    loss: LossConfig
+    normalize_std: bool = True
+    max_grad_norm: float = 1.0
+    routing_replay: bool = False
+    max_staleness: int | None = None
+
+
+@dataclass
+class BatchTensors:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    positions: torch.Tensor
+    """[B, T] index into the model's sequence of the logits that predict output token t."""
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    sampler_logp: torch.Tensor
+    temperature: torch.Tensor
+    kept: torch.Tensor | None
+    top_ids: torch.Tensor
+    top_logp: torch.Tensor
+    top_valid: torch.Tensor
+    staleness: torch.Tensor
+    routed: torch.Tensor | None
+    routed_valid: torch.Tensor | None
+
+
+def token_staleness(trajectory: Trajectory, trainer_version: int) -> list[int]:
+    staleness = [0] * len(trajectory.output_token_ids)
+    for span in trajectory.version_spans:
+        for t in range(span.start, min(span.end, len(staleness))):
+            staleness[t] = max(0, trainer_version - span.version)
+    return staleness
+
+
+def build_tensors(
+    trajectories: list[Trajectory], vocab: int, trainer_version: int, max_staleness: int | None
+) -> BatchTensors:
+    batch = len(trajectories)
+    seq_len = max(len(t.prompt_token_ids) + len(t.output_token_ids) - 1 for t in trajectories)
+    out_len = max(len(t.output_token_ids) for t in trajectories)
+    k = max([len(ids) for t in trajectories for ids in t.top_logprob_ids] + [1])
+    input_ids = torch.zeros(batch, seq_len, dtype=torch.long)
+    attention = torch.zeros(batch, seq_len, dtype=torch.long)
+    positions = torch.zeros(batch, out_len, dtype=torch.long)
+    targets = torch.zeros(batch, out_len, dtype=torch.long)
+    mask = torch.zeros(batch, out_len, dtype=torch.bool)
+    sampler_logp = torch.zeros(batch, out_len)
+    temperature = torch.ones(batch)
+    top_ids = torch.zeros(batch, out_len, k, dtype=torch.long)
+    top_logp = torch.zeros(batch, out_len, k)
+    top_valid = torch.zeros(batch, out_len, k, dtype=torch.bool)
+    staleness = torch.zeros(batch, out_len, dtype=torch.long)
+    kept = torch.zeros(batch, out_len, vocab, dtype=torch.bool) if any(t.top_p_kept_ids for t in trajectories) else None
+    routed_any = all(t.routed_experts for t in trajectories)
+    routed = routed_valid = None
+    if routed_any:
+        layers, experts = len(trajectories[0].routed_experts[0]), len(trajectories[0].routed_experts[0][0])
+        routed = torch.zeros(batch, seq_len, layers, experts, dtype=torch.long)
+        routed_valid = torch.zeros(batch, seq_len, dtype=torch.bool)
+    for i, t in enumerate(trajectories):
+        tokens = t.prompt_token_ids + t.output_token_ids
+        n_in, prompt, out = len(tokens) - 1, len(t.prompt_token_ids), len(t.output_token_ids)
+        input_ids[i, :n_in] = torch.tensor(tokens[:-1])
+        attention[i, :n_in] = 1
+        positions[i, :out] = torch.arange(prompt - 1, prompt - 1 + out)
+        targets[i, :out] = torch.tensor(t.output_token_ids)
+        sampler_logp[i, :out] = torch.tensor(t.logprobs)
+        temperature[i] = t.sampling.temperature if t.sampling.temperature > 0 else 1.0
+        stale = token_staleness(t, trainer_version)
+        staleness[i, :out] = torch.tensor(stale)
+        loss_mask = t.loss_mask if t.loss_mask is not None else [1] * out
+        for j in range(out):
+            mask[i, j] = bool(loss_mask[j]) and (max_staleness is None or stale[j] <= max_staleness)
+        for j, (ids, lps) in enumerate(zip(t.top_logprob_ids, t.top_logprobs, strict=True)):
+            top_ids[i, j, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            top_logp[i, j, : len(lps)] = torch.tensor(lps)
+            top_valid[i, j, : len(ids)] = True
+        if kept is not None:
+            if t.top_p_kept_ids:
+                for j, ids in enumerate(t.top_p_kept_ids):
+                    kept[i, j, ids] = True
+            else:
+                kept[i, :out] = True
+            kept[i, out:] = True
+        if routed is not None and routed_valid is not None:
+            recorded = torch.tensor(t.routed_experts[:n_in], dtype=torch.long)
+            routed[i, : len(recorded)] = recorded
+            routed_valid[i, : len(recorded)] = True
+    return BatchTensors(
+        input_ids,
+        attention,
+        positions,
+        targets,
+        mask,
+        sampler_logp,
+        temperature,
+        kept,
+        top_ids,
+        top_logp,
+        top_valid,
+        staleness,
+        routed,
+        routed_valid,
+    )
+
+
+def run_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: list[GroupBatchItem],
+    cfg: UpdateConfig,
+    trainer_version: int,
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Forward, corrected loss, backward, step. Returns overall and per-island-group metrics."""
+    started = time.perf_counter()
+    trajectories = [t for item in batch for t in item.trajectories]
+    rewards = torch.tensor([[r.value for r in item.rewards] for item in batch], dtype=torch.float32)
+    advantages = grpo_advantages(rewards, normalize_std=cfg.normalize_std).reshape(-1)
+    vocab = model.config.vocab_size
+    bt = build_tensors(trajectories, vocab, trainer_version, cfg.max_staleness)
+    model.train()
+    if cfg.routing_replay and bt.routed is not None and bt.routed_valid is not None:
+        with replay_routing(model, bt.routed, bt.routed_valid):
+            logits = model(input_ids=bt.input_ids, attention_mask=bt.attention_mask).logits
+    else:
+        logits = model(input_ids=bt.input_ids, attention_mask=bt.attention_mask).logits
+    out_logits = logits.gather(1, bt.positions[..., None].expand(-1, -1, logits.shape[-1]))
+    out_logits = out_logits.float() / bt.temperature[:, None, None]
+    result = policy_loss(
+        out_logits,
+        bt.targets,
+        advantages,
+        bt.loss_mask,
+        bt.sampler_logp,
+        cfg.loss,
+        temperature=1.0,
+        kept=bt.kept,
+        top_ids=bt.top_ids,
+        top_logp=bt.top_logp,
+        top_valid=bt.top_valid,
+    )
+    optimizer.zero_grad(set_to_none=True)
+    result.loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+    optimizer.step()
+    elapsed = time.perf_counter() - started
+
+    groups = [t.island.group or t.island.view for t in trajectories]
+    flat_rewards = rewards.reshape(-1)
+    overall = _metrics(
+        result,
+        bt,
+        flat_rewards,
+        [item_r for item in batch for item_r in item.rewards],
+        trajectories,
+        range(len(trajectories)),
+    )
+    overall |= {
+        "loss": float(result.loss.detach()),
+        "grad_norm": grad_norm if math.isfinite(grad_norm) else -1.0,
+        "tokens_per_s": float(bt.loss_mask.sum()) / max(elapsed, 1e-9),
+        "update_s": elapsed,
+        "groups": float(len(batch)),
+        "trajectories": float(len(trajectories)),
+    }
+    per_group = {}
+    by_group: dict[str, list[int]] = defaultdict(list)
+    for i, g in enumerate(groups):
+        by_group[g].append(i)
+    for g, rows in by_group.items():
+        per_group[g] = _metrics(
+            result, bt, flat_rewards, [item_r for item in batch for item_r in item.rewards], trajectories, rows
+        )
+    return overall, per_group
+
+
+def _metrics(result, bt: BatchTensors, rewards: torch.Tensor, reward_events, trajectories, rows) -> dict[str, float]:
+    rows = list(rows)
+    index = torch.tensor(rows, dtype=torch.long)
+    mask = bt.loss_mask[index]
+    n = int(mask.sum())
+    rho = result.rho[index][mask].double()
+    weight = result.weight[index][mask].double()
+    metrics: dict[str, float] = {"tokens": float(n)}
+    if n:
+        log_rho = rho.log()
+        metrics |= {
+            "kl_k1": float((-log_rho).mean()),
+            "kl_k3": float((rho - 1 - log_rho).mean()),
+            "chi2": float((rho**2).mean() - 1),
+            "ess_ratio": float(weight.sum() ** 2 / (n * (weight**2).sum())) if float((weight**2).sum()) > 0 else 0.0,
+            "masked_low": float(result.masked_low[index][mask].float().mean()),
+            "masked_high": float(result.masked_high[index][mask].float().mean()),
+            "entropy": float(result.entropy[index][mask].mean()),
+        }
+        stale = bt.staleness[index][mask]
+        for name, (lo, hi) in STALENESS_BUCKETS.items():
+            metrics[name] = float(((stale >= lo) & (stale <= hi)).sum()) / n
+        metrics["staleness_mean"] = float(stale.float().mean())
+    r = rewards[index]
+    metrics |= {"reward_mean": float(r.mean()), "reward_std": float(r.std(unbiased=False))}
+    metrics["format_error_rate"] = sum(reward_events[i].format_error for i in rows) / len(rows)
+    metrics["truncation_rate"] = sum(trajectories[i].finish_reason == "length" for i in rows) / len(rows)
+    return metrics
