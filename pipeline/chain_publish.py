@@ -108,9 +108,12 @@ class ChainPublisher:
         expected = 0 if self._head is None else self._head + 1
         if version != expected:
             raise VersionOutOfOrder(version, self._head)
-        views = []
-        for name in self.settings.views:
-            views.append(await asyncio.to_thread(self._publish_view, name, version, state_dict))
+        # Views are independent (own history, own blobs): compute, diff and upload them concurrently.
+        views = list(
+            await asyncio.gather(
+                *(asyncio.to_thread(self._publish_view, name, version, state_dict) for name in self.settings.views)
+            )
+        )
         event = PolicyVersion(
             run_id=self.run_id,
             version=version,

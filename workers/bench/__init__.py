@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-BENCHES = ("log", "delta", "sync")
+BENCHES = ("log", "delta", "sync", "trainer")
 
 
 def run_bench(name: str, *, quick: bool, as_json: bool) -> int:
@@ -23,6 +23,10 @@ def run_bench(name: str, *, quick: bool, as_json: bool) -> int:
         from workers.bench.sync_bench import bench_sync
 
         rows, summary = bench_sync(quick=quick)
+    elif name == "trainer":
+        from workers.bench.trainer_bench import bench_trainer
+
+        rows, summary = bench_trainer(quick=quick)
     else:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHES)}")
     console = Console(width=max(160, Console().width))
