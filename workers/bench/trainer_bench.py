@@ -113,7 +113,7 @@ def _time_updates(model, batch, configs: dict[str, UpdateConfig], repeats: int) 
     """Median time per configuration, rounds interleaved so drift on a shared machine hits all alike."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     times: dict[str, list[float]] = {name: [] for name in configs}
-    for name, cfg in configs.items():
+    for cfg in configs.values():
         run_update(model, optimizer, batch, cfg, 0)  # warm-up every code path once
     for _ in range(repeats):
         for name, cfg in configs.items():
