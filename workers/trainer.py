@@ -150,6 +150,7 @@ class Trainer:
             max_staleness=self.cfg.max_staleness,
         )
         self._lease_seq = 0
+        self.groups_dropped = 0
         self.published: list[int] = []
         self.model = None
         self.optimizer = None
@@ -414,6 +415,7 @@ class Trainer:
                     await asyncio.sleep(0.05)
                     continue
                 overall, per_group = await asyncio.to_thread(self._update, batch, self.version)
+                overall["groups_dropped_total"] = float(self.groups_dropped)
                 await self._publish(batch)
                 await self.log.append(
                     TrainerMetrics(
