@@ -210,6 +210,8 @@ class Reward(Event, kw_only=True, tag="reward.v1"):
     error_class: str | None = None
     """None if the verifier ran to completion; otherwise e.g. `timeout`, `memory`, `crash`."""
     format_error: bool = False
+    details: dict[str, str] = {}
+    """Free-form verifier findings, e.g. the first failing hidden test."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -186,6 +186,17 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rewards(args: argparse.Namespace) -> int:
+    """The reward worker: verifiers, sandboxed."""
+    from workers.rewards import RewardSettings
+
+    settings = _settings(RewardSettings, args)
+    from workers.rewards import run_rewards
+
+    asyncio.run(run_rewards(settings))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from workers.bench import run_bench
 
@@ -229,8 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     _common(p_trainer)
     p_trainer.set_defaults(func=cmd_trainer)
 
+    p_rewards = sub.add_parser("rewards", help="run the reward worker (verifiers in bubblewrap sandboxes)")
+    _common(p_rewards)
+    p_rewards.set_defaults(func=cmd_rewards)
+
     p_bench = sub.add_parser("bench", help="benchmarks (ratios against a baseline measured in the same run)")
-    p_bench.add_argument("name", choices=["log", "delta", "sync", "trainer"])
+    p_bench.add_argument("name", choices=["log", "delta", "sync", "trainer", "sandbox"])
     p_bench.add_argument("--quick", action="store_true", help="fewer iterations")
     p_bench.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p_bench.set_defaults(func=cmd_bench)

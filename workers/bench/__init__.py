@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-BENCHES = ("log", "delta", "sync", "trainer")
+BENCHES = ("log", "delta", "sync", "trainer", "sandbox")
 
 
 def run_bench(name: str, *, quick: bool, as_json: bool) -> int:
@@ -27,6 +27,10 @@ def run_bench(name: str, *, quick: bool, as_json: bool) -> int:
         from workers.bench.trainer_bench import bench_trainer
 
         rows, summary = bench_trainer(quick=quick)
+    elif name == "sandbox":
+        from workers.bench.sandbox_bench import bench_sandbox
+
+        rows, summary = bench_sandbox(quick=quick)
     else:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHES)}")
     console = Console(width=max(160, Console().width))

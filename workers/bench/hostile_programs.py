@@ -1,0 +1,53 @@
+"""The hostile-program catalogue (tests and `sprawl bench sandbox`): each is submitted as a code answer
+whose hidden test it cannot pass."""
+
+from __future__ import annotations
+
+import socket
+
+SECRET_FILE = "/root/.sprawl-sandbox-test-secret"
+SECRET_ENV = "SPRAWL_SANDBOX_TEST_SECRET"
+
+
+def catalogue(listener_port: int) -> dict[str, tuple[str, set[str]]]:
+    """name -> (answer code, acceptable error classes)."""
+    return {
+        "fork_bomb": ("import os\nwhile True:\n    os.fork()\ndef add(a, b): return a + b", {"process_limit"}),
+        "memory_hog": ("x = bytearray(10 ** 10)\ndef add(a, b): return a + b", {"memory"}),
+        "cpu_spin": ("while True:\n    pass\ndef add(a, b): return a + b", {"cpu"}),
+        "sleep_past_timeout": ("import time\ntime.sleep(600)\ndef add(a, b): return a + b", {"timeout"}),
+        "loopback_connection": (
+            f"import socket\nsocket.create_connection(('127.0.0.1', {listener_port}), timeout=2)\n"
+            "def add(a, b): return a + b",
+            {"network"},
+        ),
+        "write_outside_workdir": (
+            "open('/usr/lib/sprawl-owned', 'w').write('x')\ndef add(a, b): return a + b",
+            {"permission"},
+        ),
+        "read_root_and_env": (
+            f"import os\nprint(sorted(os.environ))\nprint(open({SECRET_FILE!r}).read())\ndef add(a, b): return a + b",
+            {"permission"},
+        ),
+        "multi_gb_output": (
+            "import sys\nwhile True:\n    sys.stdout.write('x' * (1 << 20))\ndef add(a, b): return a + b",
+            {"output_limit"},
+        ),
+        "kill_parent": (
+            "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill(-1, signal.SIGKILL)\n"
+            "def add(a, b): return a + b",
+            {"crash", "killed"},
+        ),
+        "daemon_outlives_run": (
+            "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\n"
+            "def add(a, b): return a - b  # and a wrong answer",
+            {"test_failed"},
+        ),
+    }
+
+
+def open_listener() -> socket.socket:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    return listener

@@ -1,0 +1,175 @@
+"""`sprawl bench sandbox`: start latency cold and warm, throughput, and bubblewrap's overhead.
+
+All in one run: a plain `python -c` subprocess is the baseline for bubblewrap's overhead; cold
+starts spawn a sandbox per program; warm runs take one from the pool; throughput runs trivial
+programs with the pool sized to the 2 cores; the hostile catalogue counts what stayed contained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+
+from pipeline.sandbox import BwrapSandboxPool, SandboxSettings, UnsandboxedRunner
+
+TRIVIAL = "print(sum(range(1000)))"
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def _plain(n: int, settings: SandboxSettings) -> list[float]:
+    runner = UnsandboxedRunner.__new__(UnsandboxedRunner)  # no warning: this is the benchmark's baseline
+    runner.settings = settings
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        result = await runner.run(TRIVIAL)
+        assert result.error_class is None, result.stderr
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+async def _cold(n: int, settings: SandboxSettings) -> list[float]:
+    pool = BwrapSandboxPool(settings.model_copy(update={"pool_size": 0}))
+    await pool.start()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        result = await pool.run(TRIVIAL)
+        assert result.error_class is None, result.stderr
+        times.append(time.perf_counter() - t0)
+    await pool.close()
+    return times
+
+
+async def _warm(n: int, settings: SandboxSettings) -> tuple[list[float], float]:
+    pool = BwrapSandboxPool(settings.model_copy(update={"pool_size": 2}))
+    await pool.start()
+    times = []
+    for _ in range(n):
+        while pool._ready.empty():  # measure the warm path: wait until the pool has refilled
+            await asyncio.sleep(0.005)
+        t0 = time.perf_counter()
+        result = await pool.run(TRIVIAL)
+        assert result.error_class is None, result.stderr
+        times.append(time.perf_counter() - t0)
+    await pool.close()
+    concurrency = os.cpu_count() or 2
+    pool = BwrapSandboxPool(settings.model_copy(update={"pool_size": concurrency * 2}))
+    await pool.start()
+    await asyncio.sleep(1.0)
+    total = n * 2
+    t0 = time.perf_counter()
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one() -> None:
+        async with sem:
+            await pool.run(TRIVIAL)
+
+    await asyncio.gather(*(one() for _ in range(total)))
+    rate = total / (time.perf_counter() - t0)
+    await pool.close()
+    return times, rate
+
+
+def bench_sandbox(quick: bool) -> tuple[list[dict], dict]:
+    settings = SandboxSettings(wall_timeout_s=5, cpu_seconds=2)
+    n = 20 if quick else 100
+
+    async def main() -> dict:
+        plain = await _plain(n, settings)
+        cold = await _cold(n, settings)
+        warm, rate = await _warm(n, settings)
+        contained, total = await _hostile_catalogue(settings)
+        return {"plain": plain, "cold": cold, "warm": warm, "rate": rate, "contained": contained, "total": total}
+
+    r = asyncio.run(main())
+    rows = [
+        {
+            "what": "plain subprocess",
+            "p50_ms": statistics.median(r["plain"]) * 1e3,
+            "p99_ms": _pct(r["plain"], 0.99) * 1e3,
+        },
+        {
+            "what": "bubblewrap cold",
+            "p50_ms": statistics.median(r["cold"]) * 1e3,
+            "p99_ms": _pct(r["cold"], 0.99) * 1e3,
+        },
+        {
+            "what": "bubblewrap warm pool",
+            "p50_ms": statistics.median(r["warm"]) * 1e3,
+            "p99_ms": _pct(r["warm"], 0.99) * 1e3,
+        },
+    ]
+    summary = {
+        "quick": quick,
+        "runs": n,
+        "plain_p50_ms": round(rows[0]["p50_ms"], 2),
+        "cold_p50_ms": round(rows[1]["p50_ms"], 2),
+        "cold_p99_ms": round(rows[1]["p99_ms"], 2),
+        "warm_p50_ms": round(rows[2]["p50_ms"], 2),
+        "warm_p99_ms": round(rows[2]["p99_ms"], 2),
+        "overhead_vs_subprocess": round(statistics.median(r["cold"]) / statistics.median(r["plain"]), 3),
+        "verifications_per_s": round(r["rate"], 1),
+        "hostile_contained": r["contained"],
+        "hostile_total": r["total"],
+    }
+    table = [{k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in row.items()} for row in rows]
+    return table, summary
+
+
+async def _hostile_catalogue(settings: SandboxSettings) -> tuple[int, int]:
+    """Each hostile program as a code answer: contained = reward 0 with an error class, sandbox still healthy."""
+    import socket
+
+    from schemas import IslandIdentity, PromptGroup, Trajectory, VersionSpan
+    from workers.bench.hostile_programs import catalogue
+    from workers.verifiers import CodeTests
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    group = PromptGroup(
+        run_id="b",
+        group_id="g",
+        task="code",
+        prompt="",
+        prompt_token_ids=[1],
+        n_samples=1,
+        metadata={"tests": "def test_adds():\n    assert add(2, 3) == 5\n"},
+    )
+    island = IslandIdentity(island_id="b", accelerator="cpu", view="bf16", engine="torch")
+    pool = BwrapSandboxPool(settings.model_copy(update={"pool_size": 2, "max_processes": 24}))
+    await pool.start()
+    contained = 0
+    cases = catalogue(listener.getsockname()[1])
+    try:
+        for code, classes in cases.values():
+            text = f"```python\n{code}\n```"
+            trajectory = Trajectory(
+                run_id="b",
+                trajectory_id="t",
+                group_id="g",
+                sample_index=0,
+                task="code",
+                prompt_token_ids=[1],
+                output_token_ids=[2],
+                logprobs=[-1.0],
+                finish_reason="stop",
+                version_spans=[VersionSpan(version=0, start=0, end=1)],
+                island=island,
+                text=text,
+            )
+            verdict = await CodeTests().verify(trajectory, group, pool)
+            healthy = await pool.run(TRIVIAL)
+            if verdict.value == 0.0 and verdict.error_class in classes and healthy.error_class is None:
+                contained += 1
+    finally:
+        listener.close()
+        await pool.close()
+    return contained, len(cases)
