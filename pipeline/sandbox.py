@@ -206,6 +206,35 @@ async def _read_capped(stream: asyncio.StreamReader, limit: int) -> tuple[bytes,
             return bytes(data[:limit]), True
 
 
+def _become_subreaper() -> bool:
+    """Orphaned sandbox processes (bwrap's helper, when bwrap is killed) get reparented to us instead of
+    to init, so we can reap them: zombies count against the sandbox uid's process limit."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_orphans(keep: set[int]) -> int:
+    """Reap zombie children of this process that asyncio does not manage (`keep`)."""
+    me, reaped = os.getpid(), 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in keep:
+            continue
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()  # noqa: SIM115
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if fields[0] == "Z" and int(fields[1]) == me:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(int(entry), os.WNOHANG)
+                reaped += 1
+    return reaped
+
+
 class BwrapSandboxPool:
     """Warm, single-use bubblewrap sandboxes; `run` takes one, replaces it in the background."""
 
@@ -215,13 +244,22 @@ class BwrapSandboxPool:
         self._ready: asyncio.Queue[_Warm] = asyncio.Queue()
         self._free_slots: asyncio.Queue[int] = asyncio.Queue()
         self._spawning: set[asyncio.Task] = set()
+        self._live: set[int] = set()
+        self._reaper: asyncio.Task | None = None
         self.cold_starts = 0
 
     async def start(self) -> None:
+        if _become_subreaper():
+            self._reaper = asyncio.create_task(self._reap_forever())
         for slot in range(max(self.settings.pool_size, 1) * 2):
             self._free_slots.put_nowait(slot)
         for _ in range(self.settings.pool_size):
             self._refill()
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            reap_orphans(self._live)
 
     def _refill(self) -> None:
         task = asyncio.create_task(self._spawn_into_pool())
@@ -257,13 +295,21 @@ class BwrapSandboxPool:
             return await _execute(warm.proc, warm.sandbox_id, program, self.settings)
         finally:
             await _kill_group(warm.proc)
+            self._live.discard(warm.proc.pid)
+            reap_orphans(self._live)  # before the slot's uid is reused: its zombies count against NPROC
             self._free_slots.put_nowait(warm.slot)
 
     async def close(self) -> None:
         if self._spawning:
             await asyncio.gather(*self._spawning, return_exceptions=True)
         while not self._ready.empty():
-            await _kill_group(self._ready.get_nowait().proc)
+            warm = self._ready.get_nowait()
+            await _kill_group(warm.proc)
+            self._live.discard(warm.proc.pid)
+        await asyncio.sleep(0.05)
+        reap_orphans(self._live)
+        if self._reaper is not None:
+            self._reaper.cancel()
 
 
 async def _execute(
