@@ -35,7 +35,7 @@ from schemas import DeadLetter, Event
 log = get_logger(__name__)
 
 _TRANSIENT_NATS = (
-    nats.errors.TimeoutError,
+    TimeoutError,  # covers nats.errors.TimeoutError and the bare asyncio timeouts nats-py sometimes raises
     nats.errors.ConnectionClosedError,
     nats.errors.ConnectionReconnectingError,
     nats.errors.NoRespondersError,
@@ -129,7 +129,7 @@ class Consumer:
         while not stop.is_set():
             try:
                 msgs = await self._sub.fetch(self.batch, timeout=self.fetch_timeout_s)
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # nats-py raises its own subclass or a bare asyncio timeout
                 continue
             except nats.js.errors.NotFoundError as exc:
                 raise ConsumerNotDeclared(self.stream, self.durable) from exc

@@ -209,7 +209,7 @@ class EventLog:
                 # No stream listens (yet): either it is not declared or the server is restarting.
                 last_error = exc
             except (
-                nats.errors.TimeoutError,
+                TimeoutError,
                 nats.errors.ConnectionClosedError,
                 nats.errors.ConnectionReconnectingError,
                 nats.errors.OutboundBufferLimitError,

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 
-import nats.errors
 from nats.js import api
 
 from pipeline.errors import PoisonEvent
@@ -64,7 +63,7 @@ async def replay(
         while remaining > 0:
             try:
                 msgs = await sub.fetch(min(batch, remaining), timeout=5.0)
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # nats-py raises its own subclass or a bare asyncio timeout
                 break
             for msg in msgs:
                 remaining = msg.metadata.num_pending
@@ -111,7 +110,7 @@ async def tail(
         while not stop.is_set():
             try:
                 msgs = await sub.fetch(batch, timeout=idle_timeout_s)
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # nats-py raises its own subclass or a bare asyncio timeout
                 continue
             for msg in msgs:
                 try:

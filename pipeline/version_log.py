@@ -64,7 +64,7 @@ async def wait_for_version(event_log: EventLog, run_id: str, version: int, timeo
     while True:
         try:
             event = await fetch_version(event_log, run_id, version)
-        except (nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError):
+        except (TimeoutError, nats.errors.ConnectionReconnectingError):
             event = None
         if event is not None:
             return event
