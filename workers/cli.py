@@ -130,70 +130,92 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_sql(args: argparse.Namespace) -> int:
-    """Run one SQL statement in DuckDB with S3 access configured like every worker's."""
+def _emit(relation, fmt: str, output: Path | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    columns = list(relation.columns)
+    if fmt == "parquet":
+        if output is None:
+            raise SprawlError("--format parquet needs --output FILE")
+        relation.write_parquet(str(output))
+        return
+    rows = relation.fetchall()
+    if fmt == "json":
+        text = json.dumps([dict(zip(columns, row, strict=True)) for row in rows], default=str)
+    elif fmt == "csv":
+        import csv
+        import io
+
+        buffer = io.StringIO()
+        writer = csv.writer(buffer)
+        writer.writerow(columns)
+        writer.writerows(rows)
+        text = buffer.getvalue()
+    else:
+        table = Table(*columns)
+        for row in rows:
+            table.add_row(*(str(v) for v in row))
+        Console(width=200).print(table)
+        return
+    if output is not None:
+        output.write_text(text)
+    else:
+        print(text)
+
+
+def _archive(args: argparse.Namespace):
+    from pipeline.audit import open_archive
+    from pipeline.config import SprawlSettings
+
+    settings = _settings(SprawlSettings, args)
+    if getattr(args, "fresh", False):
+        from workers.archiver import ArchiverSettings, drain_once
+
+        asyncio.run(drain_once(_settings(ArchiverSettings, args)))
+    return settings, *open_archive(settings)
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    """DuckDB SQL over the run's archive (views named after the events), or plain DuckDB if there is none."""
+    from pipeline.audit import ArchiveMissing, query
     from pipeline.config import SprawlSettings
     from pipeline.sql import open_duckdb
 
-    settings = _settings(SprawlSettings, args)
-    con = open_duckdb(settings)
-    result = con.execute(args.query)
-    columns = [d[0] for d in result.description or []]
-    rows = result.fetchall()
-    if args.json:
-        print(json.dumps([dict(zip(columns, row, strict=True)) for row in rows], default=str))
-        return 0
-    table = Table(*columns)
-    for row in rows:
-        table.add_row(*(str(v) for v in row))
-    Console().print(table)
+    try:
+        _, con, views = _archive(args)
+    except ArchiveMissing as exc:
+        if any(name in args.query.lower() for name in ("versions", "trajectories", "rewards", "metrics", "islands")):
+            raise
+        print(f"sprawl: note: {exc}", file=sys.stderr)
+        con, views = open_duckdb(_settings(SprawlSettings, args)), []
+    _emit(query(con, views, args.query), args.format, args.output)
     return 0
 
 
-def cmd_sampler(args: argparse.Namespace) -> int:
-    """A sampler island: engine + version follower + prompt consumer."""
-    from workers.sampler import SamplerSettings
+def cmd_audit(args: argparse.Namespace) -> int:
+    """The canned audits."""
+    from pipeline.audit import AUDITS, lineage_sql, query
 
-    settings = _settings(SamplerSettings, args)
-    from workers.sampler import run_sampler
-
-    asyncio.run(run_sampler(settings))
+    _, con, views = _archive(args)
+    sql = lineage_sql(con, views, args.version) if args.name == "lineage" else AUDITS[args.name]
+    _emit(query(con, views, sql), args.format, args.output)
     return 0
 
 
-def cmd_sidecar(args: argparse.Namespace) -> int:
-    """The version-aware HTTP sidecar in front of one engine."""
-    from workers.sidecar import SidecarSettings
+def cmd_report(args: argparse.Namespace) -> int:
+    from workers.report import write_report
 
-    settings = _settings(SidecarSettings, args)
-    from workers.sidecar import run_sidecar
-
-    asyncio.run(run_sidecar(settings))
+    settings, con, views = _archive(args)
+    path = write_report(con, views, settings.run_id, args.output)
+    print(f"report written to {path}")
     return 0
 
 
-def cmd_trainer(args: argparse.Namespace) -> int:
-    """The trainer: corrected GRPO updates, versions out, recovery by replay."""
-    from workers.trainer import TrainerSettings
+def cmd_archiver(args: argparse.Namespace) -> int:
+    from workers.archiver import ArchiverSettings, run_archiver
 
-    settings = _settings(TrainerSettings, args)
-    from workers.trainer import run_trainer
-
-    asyncio.run(run_trainer(settings))
-    return 0
-
-
-def cmd_rewards(args: argparse.Namespace) -> int:
-    """The reward worker: verifiers, sandboxed."""
-    from workers.rewards import RewardSettings
-
-    settings = _settings(RewardSettings, args)
-    from workers.rewards import run_rewards
-
-    asyncio.run(run_rewards(settings))
+    asyncio.run(run_archiver(_settings(ArchiverSettings, args)))
     return 0
 
 
@@ -222,27 +244,33 @@ def main(argv: list[str] | None = None) -> int:
     _common(p_infra)
     p_infra.set_defaults(func=cmd_infra)
 
-    p_sql = sub.add_parser("sql", help="DuckDB SQL with the run's S3 configured")
+    def _output_options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table")
+        parser.add_argument("--output", type=Path, default=None, help="write to a file instead of stdout")
+        parser.add_argument("--fresh", action="store_true", help="archive what is in the log first")
+
+    p_sql = sub.add_parser("sql", help="DuckDB SQL over the run's archive (views: versions, trajectories, ...)")
     p_sql.add_argument("query")
-    p_sql.add_argument("--json", action="store_true", help="print rows as one JSON array")
+    _output_options(p_sql)
     _common(p_sql)
     p_sql.set_defaults(func=cmd_sql)
 
-    p_sampler = sub.add_parser("sampler", help="run a sampler island (SPRAWL_ISLAND__VIEW=bf16|fp8_e4m3, ...)")
-    _common(p_sampler)
-    p_sampler.set_defaults(func=cmd_sampler)
+    p_audit = sub.add_parser("audit", help="canned audits: staleness, kl, lineage VERSION, fleet, dead-letters")
+    p_audit.add_argument("name", choices=["staleness", "kl", "lineage", "fleet", "dead-letters"])
+    p_audit.add_argument("version", nargs="?", type=int, default=None, help="for lineage: the version")
+    _output_options(p_audit)
+    _common(p_audit)
+    p_audit.set_defaults(func=cmd_audit)
 
-    p_sidecar = sub.add_parser("sidecar", help="version-aware HTTP sidecar (OpenAI-compatible) for one engine")
-    _common(p_sidecar)
-    p_sidecar.set_defaults(func=cmd_sidecar)
+    p_report = sub.add_parser("report", help="an HTML run report with plots")
+    p_report.add_argument("--output", type=Path, default=Path("sprawl-report.html"))
+    p_report.add_argument("--fresh", action="store_true", help="archive what is in the log first")
+    _common(p_report)
+    p_report.set_defaults(func=cmd_report)
 
-    p_trainer = sub.add_parser("trainer", help="run the trainer (SPRAWL_TRAINER__MODEL_DIR=...)")
-    _common(p_trainer)
-    p_trainer.set_defaults(func=cmd_trainer)
-
-    p_rewards = sub.add_parser("rewards", help="run the reward worker (verifiers in bubblewrap sandboxes)")
-    _common(p_rewards)
-    p_rewards.set_defaults(func=cmd_rewards)
+    p_archiver = sub.add_parser("archiver", help="run the archiver (every event to Parquet on S3)")
+    _common(p_archiver)
+    p_archiver.set_defaults(func=cmd_archiver)
 
     p_bench = sub.add_parser("bench", help="benchmarks (ratios against a baseline measured in the same run)")
     p_bench.add_argument("name", choices=["log", "delta", "sync", "trainer", "sandbox"])

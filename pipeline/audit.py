@@ -1,0 +1,122 @@
+"""SQL over the run's archive: DuckDB views named after the events, and the canned audits."""
+
+from __future__ import annotations
+
+import duckdb
+
+from pipeline.blobstore import S3BlobStore, open_blob_store
+from pipeline.config import S3BlobSettings, SprawlSettings
+from pipeline.errors import SprawlError
+from pipeline.sql import open_duckdb
+
+ARCHIVE_PREFIX = "archive"
+VIEWS = {
+    "versions": "policy_version.v1",
+    "prompts": "prompt_group.v1",
+    "trajectories": "trajectory.v1",
+    "rewards": "reward.v1",
+    "islands": "island_heartbeat.v2",
+    "metrics": "trainer_metrics.v1",
+    "dead_letters": "dead_letter.v1",
+    "checkpoints": "trainer_checkpoint.v1",
+    "dropped_groups": "group_dropped.v1",
+    "leases": "trainer_lease.v1",
+    "undecodable": "undecodable",
+}
+
+
+class ArchiveMissing(SprawlError):
+    pass
+
+
+def archived_types(settings: SprawlSettings, run_id: str) -> set[str]:
+    blobs = open_blob_store(settings.blobs)
+    prefix = f"{ARCHIVE_PREFIX}/run_id={run_id}/event_type="
+    return {key[len(prefix) :].split("/", 1)[0] for key in blobs.list_keys(prefix)}
+
+
+def open_archive(settings: SprawlSettings, run_id: str | None = None) -> tuple[duckdb.DuckDBPyConnection, list[str]]:
+    """A DuckDB connection with one view per archived event type; returns the view names."""
+    run_id = run_id or settings.run_id
+    if not isinstance(settings.blobs, S3BlobSettings):
+        raise ArchiveMissing("SQL audits read the archive from S3", hint="configure an s3 blob store")
+    present = archived_types(settings, run_id)
+    if not present:
+        raise ArchiveMissing(
+            f"run {run_id} has no archive in s3://{settings.blobs.bucket}/{ARCHIVE_PREFIX}/",
+            hint="start the archiver (`sprawl archiver`, part of `just up`) and wait one flush",
+        )
+    con = open_duckdb(settings)
+    bucket = S3BlobStore(settings.blobs).bucket
+    names = []
+    for view, event_type in VIEWS.items():
+        if event_type in present:
+            path = f"s3://{bucket}/{ARCHIVE_PREFIX}/run_id={run_id}/event_type={event_type}/*/*.parquet"
+            con.execute(f"CREATE VIEW {view} AS SELECT * FROM read_parquet('{path}', union_by_name = true)")
+            names.append(view)
+    return con, names
+
+
+def query(con: duckdb.DuckDBPyConnection, views: list[str], sql: str) -> duckdb.DuckDBPyRelation:
+    try:
+        return con.sql(sql)
+    except duckdb.CatalogException as exc:
+        raise SprawlError(
+            f"{exc}".splitlines()[0],
+            hint=f"views in this archive: {', '.join(views)}; an event type appears once the archiver has flushed one",
+        ) from None
+    except duckdb.BinderException as exc:
+        raise SprawlError(f"{exc}".splitlines()[0], hint="`DESCRIBE <view>` lists a view's columns") from None
+
+
+AUDITS = {
+    "staleness": """
+        SELECT version, step, round(metrics.staleness_mean, 3) AS staleness_mean,
+               round(metrics.staleness_0, 3) AS fresh, round(metrics.staleness_1, 3) AS one_behind,
+               round(metrics.staleness_2 + metrics.staleness_3_4, 3) AS two_to_four,
+               round(metrics.staleness_5_8 + metrics.staleness_9_plus, 3) AS five_plus
+        FROM metrics ORDER BY version""",
+    "kl": """
+        SELECT version, g AS island_group,
+               round(CAST(json_extract(per_group, '$."' || g || '".kl_k3') AS DOUBLE), 5) AS kl_k3,
+               round(CAST(json_extract(per_group, '$."' || g || '".kl_k1') AS DOUBLE), 5) AS kl_k1,
+               round(CAST(json_extract(per_group, '$."' || g || '".reward_mean') AS DOUBLE), 3) AS reward_mean
+        FROM metrics, unnest(json_keys(per_group)) AS t(g) ORDER BY version, island_group""",
+    "fleet": """
+        SELECT island.island_id AS island, island.view AS view, island.accelerator AS accelerator,
+               island.engine AS engine, max(current_version) AS version, max(prompt_groups_done) AS groups_done,
+               max(tokens_generated) AS tokens, round(max(tokens_per_s), 1) AS peak_tokens_per_s,
+               max(produced_at) AS last_seen
+        FROM islands GROUP BY ALL ORDER BY island""",
+    "dead-letters": """
+        SELECT produced_at, stream, consumer, error_class, original_subject, original_seq, num_delivered,
+               left(reason, 120) AS reason
+        FROM dead_letters ORDER BY produced_at""",
+}
+
+
+def lineage_sql(con: duckdb.DuckDBPyConnection, views: list[str], version: int) -> str:
+    row = query(con, views, f"SELECT lineage_uri FROM versions WHERE version = {int(version)}").fetchone()
+    if row is None:
+        raise SprawlError(f"version {version} is not in the archive", hint="`SELECT version FROM versions`")
+    if row[0] is None:
+        raise SprawlError(f"version {version} has no lineage (version 0 is the initial weights)")
+    joins = []
+    select = ["m.group_id", "m.trajectory_id", "m.trajectory_seq"]
+    if "trajectories" in views:
+        joins.append("LEFT JOIN trajectories t ON t.trajectory_id = m.trajectory_id")
+        select += [
+            "t.island.island_id AS island",
+            "t.island.view AS view",
+            "list_transform(t.version_spans, s -> s.version) AS sampled_at_versions",
+            "len(t.output_token_ids) AS tokens",
+        ]
+    if "rewards" in views:
+        joins.append("LEFT JOIN rewards r ON r.trajectory_id = m.trajectory_id")
+        select += ["r.value AS reward", "r.error_class"]
+    return f"""
+        WITH lineage AS (SELECT unnest(groups) AS g FROM read_json('{row[0]}')),
+             m AS (SELECT g.group_id AS group_id, unnest(g.members) AS member FROM lineage),
+             m2 AS (SELECT group_id, json_extract_string(CAST(member AS JSON), '$[0]') AS trajectory_id,
+                           CAST(json_extract(CAST(member AS JSON), '$[1]') AS BIGINT) AS trajectory_seq FROM m)
+        SELECT {", ".join(select)} FROM m2 AS m {" ".join(joins)} ORDER BY m.group_id, m.trajectory_id"""

@@ -1,0 +1,150 @@
+"""The archive: every event to Parquet on S3 exactly once, SQL views over it, canned audits and the report."""
+
+import asyncio
+import base64
+import io
+import re
+
+import numpy as np
+import pytest
+
+from pipeline.audit import AUDITS, ArchiveMissing, lineage_sql, open_archive, query
+from pipeline.errors import SprawlError
+from schemas import DeadLetter, IslandHeartbeat, IslandIdentity, Reward
+from tests.trainer_data import make_groups, publish_groups, write_initial_model
+from workers.archiver import Archiver, ArchiverSettings, ArchiveSection, drain_once
+from workers.report import write_report
+from workers.trainer import Trainer, TrainerSection, TrainerSettings
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_initial_model(tmp_path_factory.mktemp("audit-model"))
+
+
+async def _stream_counts(event_log, run_id) -> dict[str, int]:
+    counts = {}
+    for stream in ("POLICY", "PROMPTS", "TRAJECTORIES", "REWARDS", "METRICS", "DEADLETTER", "TRAINER"):
+        info = await event_log.js.stream_info(stream, subjects_filter=f"rl.{run_id}.>")
+        counts[stream.lower()] = sum((info.state.subjects or {}).values())
+    return counts
+
+
+async def _a_run(event_log, settings, model_dir):
+    from pipeline.blobstore import S3BlobStore
+
+    await publish_groups(event_log, make_groups(model_dir, settings.run_id, 4))
+    section = TrainerSection(model_dir=model_dir, groups_per_batch=2, trainer_id="audit", max_versions=2)
+    trainer_settings = TrainerSettings(
+        **settings.model_dump(include={"run_id", "nats", "blobs", "log", "streams"}), trainer=section
+    )
+    await Trainer(trainer_settings, event_log, S3BlobStore(settings.blobs)).run(asyncio.Event())
+    for version, view in [(0, "bf16"), (1, "bf16"), (1, "fp8_e4m3"), (2, "fp8_e4m3")]:
+        island = IslandIdentity(island_id=f"isl-{view}", accelerator="cpu", view=view, engine="torch", group=view)
+        await event_log.append(
+            IslandHeartbeat(
+                run_id=settings.run_id,
+                island=island,
+                current_version=version,
+                tokens_per_s=10.0 * (version + 1),
+                prompt_groups_done=version,
+            )
+        )
+    for i, error in enumerate(["timeout", "process_limit", None]):
+        await event_log.append(
+            Reward(
+                run_id=settings.run_id,
+                trajectory_id=f"extra-{i}",
+                group_id="x",
+                value=0.0,
+                verifier="code_tests",
+                verifier_version="1",
+                duration_s=1.0,
+                error_class=error,
+            )
+        )
+    await event_log.append(
+        DeadLetter(
+            run_id=settings.run_id,
+            reason="unknown event type 'mystery.v1'",
+            error_class="unknown_type",
+            stream="trajectories",
+            consumer="c",
+            original_subject=f"rl.{settings.run_id}.traj.g0",
+            original_seq=1,
+            num_delivered=1,
+            payload=b"{}",
+        )
+    )
+    await event_log.js.publish(f"rl.{settings.run_id}.traj.junk", b"\x00 not an event")
+
+
+def _archiver_settings(settings, **archive) -> ArchiverSettings:
+    return ArchiverSettings(
+        **settings.model_dump(include={"run_id", "nats", "blobs", "log"}), archive=ArchiveSection(**archive)
+    )
+
+
+async def test_archive_sql_audits_and_report(event_log, settings, model_dir, tmp_path):
+    await _a_run(event_log, settings, model_dir)
+    counts = await _stream_counts(event_log, settings.run_id)
+    archived = await drain_once(_archiver_settings(settings, flush_events=7))
+    assert archived == sum(counts.values())
+    con, views = open_archive(settings)
+    assert {"versions", "trajectories", "rewards", "metrics", "islands", "dead_letters", "undecodable"} <= set(views)
+    for stream, n in counts.items():
+        if n == 0:
+            continue
+        rows = con.sql(f"""SELECT count(*), count(DISTINCT seq) FROM read_parquet(
+            's3://{settings.blobs.bucket}/archive/run_id={settings.run_id}/*/*/{stream}-*.parquet',
+            union_by_name = true)""").fetchone()
+        assert rows == (n, n), stream
+    assert con.sql("SELECT count(*) FROM trajectories").fetchone()[0] == 16
+    assert con.sql("SELECT reason FROM undecodable").fetchone()[0].startswith("malformed")
+    for name, sql in AUDITS.items():
+        assert query(con, views, sql).fetchall(), name
+    kl = query(con, views, AUDITS["kl"]).fetchall()
+    assert {row[1] for row in kl} == {"bf16", "fp8_e4m3"}
+    lineage = query(con, views, lineage_sql(con, views, 2)).fetchall()
+    assert len(lineage) == 8 and all(row[3] is not None for row in lineage)  # every member joined to its island
+    with pytest.raises(SprawlError, match="views in this archive"):
+        query(con, views, "SELECT * FROM nonexistent_view")
+    with pytest.raises(SprawlError, match="DESCRIBE"):
+        query(con, views, "SELECT no_such_column FROM rewards")
+
+    page = write_report(con, views, settings.run_id, tmp_path / "report.html").read_text()
+    images = re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", page)
+    assert len(images) == 7 and "no data" not in page
+    import matplotlib.image
+
+    for encoded in images:
+        pixels = matplotlib.image.imread(io.BytesIO(base64.b64decode(encoded)), format="png")
+        assert np.asarray(pixels).std() > 0.01  # something was drawn
+
+
+async def test_archiver_killed_between_put_and_ack_duplicates_nothing(event_log, settings, model_dir):
+    await publish_groups(event_log, make_groups(model_dir, settings.run_id, 2))
+    first = Archiver(_archiver_settings(settings, flush_events=3), event_log, None)
+    from pipeline.blobstore import S3BlobStore
+
+    first.blobs = S3BlobStore(settings.blobs)
+    stop = asyncio.Event()
+    task = asyncio.create_task(first.run(stop))
+    while first.archived < 6:
+        await asyncio.sleep(0.05)
+    task.cancel()  # a kill: the buffer is lost, acks of the last flush may be too
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(settings.streams.backoff_s[0] + 0.5)  # let the unacked ones come back
+    await drain_once(_archiver_settings(settings))
+    con, _ = open_archive(settings)
+    total, distinct = con.sql("SELECT count(*), count(DISTINCT seq) FROM trajectories").fetchone()
+    rewards = con.sql("SELECT count(*), count(DISTINCT seq) FROM rewards").fetchone()
+    assert (total, distinct) == (8, 8) and rewards == (8, 8)
+
+
+def test_missing_archive_says_how_to_start_the_archiver(settings):
+    with pytest.raises(ArchiveMissing, match="start the archiver"):
+        open_archive(settings, run_id="nobody-archived-this")

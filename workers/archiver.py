@@ -1,0 +1,244 @@
+"""The archiver: every event of the run, as Parquet on S3, for SQL audits.
+
+One durable consumer per stream. Messages are buffered and flushed by count and by time into
+`archive/run_id=<run>/event_type=<type>/date=<day>/<stream>-<first seq>-<last seq>.parquet`, and acked
+only after the PUT. On start each stream's archived high-water mark is read back from the file
+names, and redelivered messages at or below it are acked without being written again: a crash
+between PUT and ack duplicates nothing. Rows keep the stream, sequence, subject, envelope, the
+decoded fields (nested ones as structs and lists) and the raw payload. Messages that do not decode
+are archived too, as `undecodable`, with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import re
+import signal
+import time
+from collections import defaultdict
+from datetime import UTC, datetime
+
+import msgspec
+import nats.errors
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from infra.streams import STREAMS
+from pipeline.blobstore import BlobStore, open_blob_store
+from pipeline.config import Section, SprawlSettings
+from pipeline.errors import PoisonEvent
+from pipeline.eventlog import EventLog
+from pipeline.logs import get_logger
+
+log = get_logger(__name__)
+
+ARCHIVE_PREFIX = "archive"
+_JSON_FIELDS = ("per_group", "components", "details", "kernels", "headers", "metadata", "tensors")
+_FILE = re.compile(r"/(?P<stream>[a-z_]+)-(?P<first>\d{12})-(?P<last>\d{12})\.parquet$")
+
+
+class ArchiveSection(Section):
+    flush_events: int = 5000
+    """Flush a stream's buffer once it holds this many events."""
+    flush_interval_s: float = 5.0
+    """... or once its oldest event has waited this long (the freshness of SQL queries)."""
+    fetch_batch: int = 1000
+    """Messages fetched per pull."""
+
+
+class ArchiverSettings(SprawlSettings):
+    archive: ArchiveSection = ArchiveSection()
+    """Flush policy."""
+
+
+def archive_key(run_id: str, event_type: str, day: str, stream: str, first: int, last: int) -> str:
+    return (
+        f"{ARCHIVE_PREFIX}/run_id={run_id}/event_type={event_type}/date={day}/"
+        f"{stream.lower()}-{first:012d}-{last:012d}.parquet"
+    )
+
+
+def archived_high_water(blobs: BlobStore, run_id: str) -> dict[str, int]:
+    """The highest stream sequence already archived, per stream, read from the file names."""
+    marks: dict[str, int] = defaultdict(int)
+    for key in blobs.list_keys(f"{ARCHIVE_PREFIX}/run_id={run_id}/"):
+        match = _FILE.search(key)
+        if match:
+            marks[match["stream"]] = max(marks[match["stream"]], int(match["last"]))
+    return marks
+
+
+def _row(stream: str, msg, event) -> dict:
+    meta = msg.metadata
+    row = {
+        "stream": stream.lower(),
+        "seq": meta.sequence.stream,
+        "subject": msg.subject,
+        "published_at": meta.timestamp,
+        "payload": bytes(msg.data),
+    }
+    if event is None:
+        return row
+    fields = _columns(msgspec.to_builtins(event, builtin_types=(datetime, bytes)))
+    fields.pop("type", None)
+    return {**fields, **row, "event_type": type(event).type_tag()}
+
+
+def _columns(value, key: str = ""):
+    """Maps with open-ended keys become JSON text (not a struct per key); empty structs become null
+    (Parquet has no empty struct)."""
+    if key in _JSON_FIELDS and isinstance(value, dict | list):
+        return json.dumps(value, sort_keys=True)
+    if isinstance(value, dict):
+        if not value:
+            return None
+        return {k: _columns(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_columns(v) for v in value]
+    return value
+
+
+def _table(rows: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist(rows)
+
+
+class StreamArchiver:
+    def __init__(
+        self, event_log: EventLog, blobs: BlobStore, run_id: str, stream: str, settings: ArchiveSection, high_water: int
+    ):
+        self.log, self.blobs, self.run_id, self.stream, self.settings = event_log, blobs, run_id, stream, settings
+        self.high_water = high_water
+        self.buffer: list[tuple[object, dict, str]] = []  # (msg, row, event_type)
+        self.oldest: float | None = None
+        self.archived = 0
+        self.skipped = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        durable = f"{self.run_id}-archiver-{self.stream.lower()}"
+        sub = await self.log.js.pull_subscribe_bind(durable=durable, stream=self.stream)
+        try:
+            while not stop.is_set():
+                try:
+                    msgs = await sub.fetch(self.settings.fetch_batch, timeout=0.5)
+                except TimeoutError:
+                    msgs = []
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+                    await asyncio.sleep(0.5)
+                    continue
+                for msg in msgs:
+                    await self._take(msg)
+                if self.buffer and (
+                    len(self.buffer) >= self.settings.flush_events
+                    or time.monotonic() - (self.oldest or 0) >= self.settings.flush_interval_s
+                ):
+                    await self.flush()
+            await self.flush()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _take(self, msg) -> None:
+        seq = msg.metadata.sequence.stream
+        if seq <= self.high_water:  # archived before a crash, ack lost: do not write it twice
+            self.skipped += 1
+            await msg.ack()
+            return
+        try:
+            event = await self.log.resolve(msg.data)
+            row, event_type = _row(self.stream, msg, event), type(event).type_tag()
+        except PoisonEvent as exc:
+            row, event_type = {**_row(self.stream, msg, None), "reason": exc.message}, "undecodable"
+        if not self.buffer:
+            self.oldest = time.monotonic()
+        self.buffer.append((msg, row, event_type))
+
+    async def flush(self) -> None:
+        """Write the buffer (one file per event type and day), then ack everything in it."""
+        if not self.buffer:
+            return
+        groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+        for _, row, event_type in self.buffer:
+            day = (
+                datetime.fromtimestamp(row["published_at"].timestamp(), UTC).strftime("%Y-%m-%d")
+                if hasattr(row["published_at"], "timestamp")
+                else "unknown"
+            )
+            groups[(event_type, day)].append(row)
+        for (event_type, day), rows in groups.items():
+            table = await asyncio.to_thread(_table, rows)
+            buffer = io.BytesIO()
+            await asyncio.to_thread(pq.write_table, table, buffer, compression="zstd")
+            key = archive_key(self.run_id, event_type, day, self.stream, rows[0]["seq"], rows[-1]["seq"])
+            await asyncio.to_thread(self.blobs.put_bytes, buffer.getvalue(), key)
+        for msg, _, _ in self.buffer:
+            with contextlib.suppress(Exception):
+                await msg.ack()
+        self.high_water = max(self.high_water, self.buffer[-1][1]["seq"])
+        self.archived += len(self.buffer)
+        self.buffer.clear()
+        self.oldest = None
+
+
+class Archiver:
+    def __init__(self, settings: ArchiverSettings, event_log: EventLog, blobs: BlobStore):
+        self.settings, self.log, self.blobs = settings, event_log, blobs
+        self.streams: list[StreamArchiver] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        marks = await asyncio.to_thread(archived_high_water, self.blobs, self.settings.run_id)
+        self.streams = [
+            StreamArchiver(
+                self.log,
+                self.blobs,
+                self.settings.run_id,
+                spec.name,
+                self.settings.archive,
+                marks.get(spec.name.lower(), 0),
+            )
+            for spec in STREAMS
+        ]
+        await asyncio.gather(*(s.run(stop) for s in self.streams))
+
+    @property
+    def archived(self) -> int:
+        return sum(s.archived for s in self.streams)
+
+
+async def run_archiver(settings: ArchiverSettings) -> None:
+    event_log = await EventLog.connect(settings, worker="archiver")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await Archiver(settings, event_log, open_blob_store(settings.blobs)).run(stop)
+    finally:
+        await event_log.close()
+
+
+async def drain_once(settings: ArchiverSettings) -> int:
+    """Archive everything in the log right now and return (for `--fresh` queries and benchmarks)."""
+    event_log = await EventLog.connect(settings, worker="archiver-drain")
+    try:
+        archiver = Archiver(settings, event_log, open_blob_store(settings.blobs))
+        stop = asyncio.Event()
+        task = asyncio.create_task(archiver.run(stop))
+        while True:
+            await asyncio.sleep(0.2)
+            pending = 0
+            for spec in STREAMS:
+                info = await event_log.js.consumer_info(spec.name, f"{settings.run_id}-archiver-{spec.name.lower()}")
+                pending += info.num_pending + info.num_ack_pending
+            buffered = sum(len(s.buffer) for s in archiver.streams)
+            if task.done():
+                task.result()
+            if pending - buffered <= 0:  # all that is left sits in our buffers: the stop flushes it
+                break
+        stop.set()
+        await task
+        return archiver.archived
+    finally:
+        await event_log.close()
