@@ -60,6 +60,9 @@ STREAMS: tuple[StreamSpec, ...] = (
 )
 
 
+ARCHIVER_MAX_ACK_PENDING = 20_000
+
+
 def consumers_for_run(run_id: str) -> tuple[ConsumerSpec, ...]:
     """The durable consumers of one run; names carry the run so runs never share a cursor."""
     from pipeline.subjects import prompts_subject, rewards_filter, token, trajectories_filter
@@ -76,6 +79,8 @@ def consumers_for_run(run_id: str) -> tuple[ConsumerSpec, ...]:
                 f"{run}-archiver-{spec.name.lower()}",
                 [s.replace("rl.*.", f"rl.{run}.", 1) for s in spec.subjects],
                 f"archiver: every event of {spec.name}",
+                # The archiver acks a whole Parquet file's worth of events at once, after the PUT.
+                max_ack_pending=ARCHIVER_MAX_ACK_PENDING,
             )
             for spec in STREAMS
         ),

@@ -30,13 +30,13 @@ async def test_declared_consumers_bound_redelivery(event_log, settings):
         config = (await event_log.js.consumer_info(spec.stream, spec.name)).config
         assert config.ack_policy == api.AckPolicy.EXPLICIT
         assert config.max_deliver == settings.streams.max_deliver
-        assert config.backoff and config.max_ack_pending == settings.streams.max_ack_pending
+        assert config.backoff and config.max_ack_pending == (spec.max_ack_pending or settings.streams.max_ack_pending)
 
 
 async def test_changed_settings_update_consumers_in_place(event_log, settings):
     changed = settings.streams.model_copy(update={"max_ack_pending": 7})
     report = await apply(event_log.js, changed, settings.run_id)
-    assert len(report.updated) == len(consumers_for_run(settings.run_id))
+    assert len(report.updated) == sum(1 for c in consumers_for_run(settings.run_id) if c.max_ack_pending is None)
     info = await event_log.js.consumer_info("TRAJECTORIES", f"{settings.run_id}-rewards")
     assert info.config.max_ack_pending == 7
     await apply(event_log.js, settings.streams, settings.run_id)

@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p_archiver.set_defaults(func=cmd_archiver)
 
     p_bench = sub.add_parser("bench", help="benchmarks (ratios against a baseline measured in the same run)")
-    p_bench.add_argument("name", choices=["log", "delta", "sync", "trainer", "sandbox"])
+    p_bench.add_argument("name", choices=["log", "delta", "sync", "trainer", "sandbox", "audit"])
     p_bench.add_argument("--quick", action="store_true", help="fewer iterations")
     p_bench.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p_bench.set_defaults(func=cmd_bench)

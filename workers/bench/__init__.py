@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-BENCHES = ("log", "delta", "sync", "trainer", "sandbox")
+BENCHES = ("log", "delta", "sync", "trainer", "sandbox", "audit")
 
 
 def run_bench(name: str, *, quick: bool, as_json: bool) -> int:
@@ -31,6 +31,10 @@ def run_bench(name: str, *, quick: bool, as_json: bool) -> int:
         from workers.bench.sandbox_bench import bench_sandbox
 
         rows, summary = bench_sandbox(quick=quick)
+    elif name == "audit":
+        from workers.bench.audit_bench import bench_audit
+
+        rows, summary = bench_audit(quick=quick)
     else:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHES)}")
     console = Console(width=max(160, Console().width))
