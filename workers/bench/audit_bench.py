@@ -166,8 +166,9 @@ def _pyarrow_answers(settings) -> dict[str, float]:
     trajectories = ds.dataset(f"{root}/event_type=trajectory.v1", filesystem=s3, format="parquet")
     wanted = pa.array([f"t{i}" for i in range(1000)])
     found = trajectories.to_table(columns=["trajectory_id", "island"], filter=pc.field("trajectory_id").isin(wanted))
-    members = pa.table({"trajectory_id": found["trajectory_id"],
-                        "island": pc.struct_field(found["island"], "island_id")})
+    members = pa.table(
+        {"trajectory_id": found["trajectory_id"], "island": pc.struct_field(found["island"], "island_id")}
+    )
     rewards = ds.dataset(f"{root}/event_type=reward.v1", filesystem=s3, format="parquet").to_table(
         columns=["trajectory_id", "value"]
     )
