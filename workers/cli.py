@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import signal
 import sys
 from pathlib import Path
@@ -178,14 +179,14 @@ def _archive(args: argparse.Namespace):
 
 def cmd_sql(args: argparse.Namespace) -> int:
     """DuckDB SQL over the run's archive (views named after the events), or plain DuckDB if there is none."""
-    from pipeline.audit import ArchiveMissing, query
+    from pipeline.audit import VIEWS, ArchiveMissing, query
     from pipeline.config import SprawlSettings
     from pipeline.sql import open_duckdb
 
     try:
         _, con, views = _archive(args)
-    except ArchiveMissing as exc:
-        if any(name in args.query.lower() for name in ("versions", "trajectories", "rewards", "metrics", "islands")):
+    except (ArchiveMissing, SprawlError) as exc:  # no archive (or no S3): plain DuckDB still answers
+        if any(re.search(rf"\b{name}\b", args.query.lower()) for name in VIEWS):
             raise
         print(f"sprawl: note: {exc}", file=sys.stderr)
         con, views = open_duckdb(_settings(SprawlSettings, args)), []
@@ -219,6 +220,38 @@ def cmd_archiver(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sampler(args: argparse.Namespace) -> int:
+    """A sampler island: engine + version follower + prompt consumer."""
+    from workers.sampler import SamplerSettings, run_sampler
+
+    asyncio.run(run_sampler(_settings(SamplerSettings, args)))
+    return 0
+
+
+def cmd_sidecar(args: argparse.Namespace) -> int:
+    """The version-aware HTTP sidecar in front of one engine."""
+    from workers.sidecar import SidecarSettings, run_sidecar
+
+    asyncio.run(run_sidecar(_settings(SidecarSettings, args)))
+    return 0
+
+
+def cmd_trainer(args: argparse.Namespace) -> int:
+    """The trainer: corrected GRPO updates, versions out, recovery by replay."""
+    from workers.trainer import TrainerSettings, run_trainer
+
+    asyncio.run(run_trainer(_settings(TrainerSettings, args)))
+    return 0
+
+
+def cmd_rewards(args: argparse.Namespace) -> int:
+    """The reward worker: verifiers, sandboxed."""
+    from workers.rewards import RewardSettings, run_rewards
+
+    asyncio.run(run_rewards(_settings(RewardSettings, args)))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from workers.bench import run_bench
 
@@ -246,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def _output_options(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table")
+        parser.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
         parser.add_argument("--output", type=Path, default=None, help="write to a file instead of stdout")
         parser.add_argument("--fresh", action="store_true", help="archive what is in the log first")
 
@@ -271,6 +305,22 @@ def main(argv: list[str] | None = None) -> int:
     p_archiver = sub.add_parser("archiver", help="run the archiver (every event to Parquet on S3)")
     _common(p_archiver)
     p_archiver.set_defaults(func=cmd_archiver)
+
+    p_sampler = sub.add_parser("sampler", help="run a sampler island (SPRAWL_ISLAND__VIEW=bf16|fp8_e4m3, ...)")
+    _common(p_sampler)
+    p_sampler.set_defaults(func=cmd_sampler)
+
+    p_sidecar = sub.add_parser("sidecar", help="version-aware HTTP sidecar (OpenAI-compatible) for one engine")
+    _common(p_sidecar)
+    p_sidecar.set_defaults(func=cmd_sidecar)
+
+    p_trainer = sub.add_parser("trainer", help="run the trainer (SPRAWL_TRAINER__MODEL_DIR=...)")
+    _common(p_trainer)
+    p_trainer.set_defaults(func=cmd_trainer)
+
+    p_rewards = sub.add_parser("rewards", help="run the reward worker (verifiers in bubblewrap sandboxes)")
+    _common(p_rewards)
+    p_rewards.set_defaults(func=cmd_rewards)
 
     p_bench = sub.add_parser("bench", help="benchmarks (ratios against a baseline measured in the same run)")
     p_bench.add_argument("name", choices=["log", "delta", "sync", "trainer", "sandbox", "audit"])
