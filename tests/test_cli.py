@@ -62,3 +62,24 @@ def test_bench_delta_reports_bitexact_and_the_anchor_ratios():
         assert summary["synthetic_1pct"][key] > 0
     assert 0 < summary["adam_bf16"]["changed_fraction"] < 1
     assert 0 < summary["adam_fp8"]["size_vs_keyframe"] < 1
+
+
+def test_every_worker_and_tool_has_its_command():
+    result = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "--help"], capture_output=True, text=True, timeout=60, check=True
+    )
+    for command in (
+        "stack",
+        "up",
+        "infra",
+        "sql",
+        "audit",
+        "report",
+        "archiver",
+        "sampler",
+        "sidecar",
+        "trainer",
+        "rewards",
+        "bench",
+    ):
+        assert command in result.stdout, command
