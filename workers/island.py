@@ -54,6 +54,21 @@ class IslandSection(Section):
     """Where versions are cached on this island's disk."""
 
 
+def build_island(event_log: EventLog, blob_settings, run_id: str, section: IslandSection) -> Island:
+    """The configured engine behind an island (what `sprawl sampler`, `sprawl sidecar` and benchmarks run)."""
+    from pipeline.blobstore import open_blob_store
+    from workers.engines.factory import create_engine
+
+    engine = create_engine(
+        section.engine,
+        url=section.engine_url,
+        device=section.device,
+        compute_dtype=section.compute_dtype,
+        top_logprobs=section.top_logprobs,
+    )
+    return Island(event_log, open_blob_store(blob_settings), engine, run_id=run_id, settings=section)
+
+
 class VersionUnreachable(SprawlError):
     """The request's version constraint cannot be met by this island (HTTP 409)."""
 

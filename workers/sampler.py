@@ -18,7 +18,6 @@ from pathlib import Path
 import msgspec
 import xxhash
 
-from pipeline.blobstore import open_blob_store
 from pipeline.config import SprawlSettings
 from pipeline.consumer import Consumer, Delivery
 from pipeline.errors import PoisonEvent
@@ -26,8 +25,7 @@ from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
 from schemas import IslandHeartbeat, PromptGroup, Trajectory
 from workers.engines.base import GenerateRequest, Sample
-from workers.engines.factory import create_engine
-from workers.island import Island, IslandSection, VersionUnreachable
+from workers.island import Island, IslandSection, VersionUnreachable, build_island
 
 log = get_logger(__name__)
 
@@ -191,16 +189,7 @@ class SamplerWorker:
 
 async def run_sampler(settings: SamplerSettings) -> None:
     event_log = await EventLog.connect(settings, worker=f"sampler-{settings.island.view}")
-    engine = create_engine(
-        settings.island.engine,
-        url=settings.island.engine_url,
-        device=settings.island.device,
-        compute_dtype=settings.island.compute_dtype,
-        top_logprobs=settings.island.top_logprobs,
-    )
-    island = Island(
-        event_log, open_blob_store(settings.blobs), engine, run_id=settings.run_id, settings=settings.island
-    )
+    island = build_island(event_log, settings.blobs, settings.run_id, settings.island)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -27,14 +27,12 @@ from pathlib import Path
 
 from aiohttp import web
 
-from pipeline.blobstore import open_blob_store
 from pipeline.config import Section, SprawlSettings
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
 from schemas import SamplingParams, VersionConstraint
 from workers.engines.base import EngineError, GenerateRequest, Sample
-from workers.engines.factory import create_engine
-from workers.island import Island, IslandSection, VersionUnreachable
+from workers.island import Island, IslandSection, VersionUnreachable, build_island
 
 log = get_logger(__name__)
 
@@ -370,16 +368,7 @@ async def serve(sidecar: Sidecar, host: str, port: int) -> tuple[web.AppRunner, 
 
 async def run_sidecar(settings: SidecarSettings) -> None:
     event_log = await EventLog.connect(settings, worker=f"sidecar-{settings.island.view}")
-    engine = create_engine(
-        settings.island.engine,
-        url=settings.island.engine_url,
-        device=settings.island.device,
-        compute_dtype=settings.island.compute_dtype,
-        top_logprobs=settings.island.top_logprobs,
-    )
-    island = Island(
-        event_log, open_blob_store(settings.blobs), engine, run_id=settings.run_id, settings=settings.island
-    )
+    island = build_island(event_log, settings.blobs, settings.run_id, settings.island)
     await island.start()
     runner, port = await serve(Sidecar(island), settings.http.host, settings.http.port)
     log.info("sidecar listening", host=settings.http.host, port=port, view=settings.island.view)
@@ -392,5 +381,5 @@ async def run_sidecar(settings: SidecarSettings) -> None:
     finally:
         await runner.cleanup()
         await island.stop()
-        await engine.shutdown()
+        await island.engine.shutdown()
         await event_log.close()

@@ -10,12 +10,10 @@ import json
 import signal
 import sys
 
-from pipeline.blobstore import open_blob_store
 from pipeline.config import load_settings
 from pipeline.eventlog import EventLog
 from pipeline.logs import configure_logging
-from workers.engines.factory import create_engine
-from workers.island import Island
+from workers.island import build_island
 from workers.sampler import SamplerSettings
 
 
@@ -23,10 +21,7 @@ async def main() -> None:
     settings = load_settings(SamplerSettings)
     configure_logging(settings.run_id, fmt="json", level="WARNING")
     event_log = await EventLog.connect(settings, worker="bench-island")
-    engine = create_engine(settings.island.engine, compute_dtype=settings.island.compute_dtype)
-    island = Island(
-        event_log, open_blob_store(settings.blobs), engine, run_id=settings.run_id, settings=settings.island
-    )
+    island = build_island(event_log, settings.blobs, settings.run_id, settings.island)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await island.start()
