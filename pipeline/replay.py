@@ -29,6 +29,39 @@ class Replayed:
     event: Event
 
 
+@contextlib.asynccontextmanager
+async def _ephemeral(event_log: EventLog, stream: str, subject_filter: str, **deliver) -> AsyncIterator:
+    """An ack-less, in-memory consumer that is deleted when the caller is done with it."""
+    config = api.ConsumerConfig(
+        ack_policy=api.AckPolicy.NONE,
+        filter_subject=subject_filter,
+        inactive_threshold=120.0,
+        mem_storage=True,
+        num_replicas=1,
+        **deliver,
+    )
+    sub = await event_log.js.pull_subscribe(subject_filter, durable=None, stream=stream, config=config)
+    info = await sub.consumer_info()
+    try:
+        yield sub, info
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            await event_log.js.delete_consumer(stream, info.name)
+
+
+async def _decoded(event_log: EventLog, msg) -> Replayed | None:
+    """The message as an event, or None (logged) for one that cannot decode: it was dead-lettered when
+    first consumed."""
+    try:
+        event = await event_log.resolve(msg.data)
+    except PoisonEvent as exc:
+        log.warning("skipped an undecodable event", stream_seq=msg.metadata.sequence.stream, reason=exc.message)
+        return None
+    return Replayed(msg.metadata.sequence.stream, msg.subject, event)
+
+
 async def replay(
     event_log: EventLog,
     stream: str,
@@ -39,26 +72,14 @@ async def replay(
     batch: int = 256,
 ) -> AsyncIterator[Replayed]:
     """Yield every event on `subject_filter` from `start_seq` (or `start_time`, or the start) to the
-    current end of the stream. Undecodable events are skipped with a warning: they were dead-lettered
-    when first consumed.
-    """
+    current end of the stream."""
     if start_seq is not None:
-        policy = {"deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": start_seq}
+        deliver = {"deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": start_seq}
     elif start_time is not None:
-        policy = {"deliver_policy": api.DeliverPolicy.BY_START_TIME, "opt_start_time": start_time.isoformat()}
+        deliver = {"deliver_policy": api.DeliverPolicy.BY_START_TIME, "opt_start_time": start_time.isoformat()}
     else:
-        policy = {"deliver_policy": api.DeliverPolicy.ALL}
-    config = api.ConsumerConfig(
-        ack_policy=api.AckPolicy.NONE,
-        filter_subject=subject_filter,
-        inactive_threshold=60.0,
-        mem_storage=True,
-        num_replicas=1,
-        **policy,
-    )
-    sub = await event_log.js.pull_subscribe(subject_filter, durable=None, stream=stream, config=config)
-    info = await sub.consumer_info()
-    try:
+        deliver = {"deliver_policy": api.DeliverPolicy.ALL}
+    async with _ephemeral(event_log, stream, subject_filter, **deliver) as (sub, info):
         remaining = info.num_pending
         while remaining > 0:
             try:
@@ -67,21 +88,8 @@ async def replay(
                 break
             for msg in msgs:
                 remaining = msg.metadata.num_pending
-                try:
-                    event = await event_log.resolve(msg.data)
-                except PoisonEvent as exc:
-                    log.warning(
-                        "replay skipped an undecodable event",
-                        stream_seq=msg.metadata.sequence.stream,
-                        reason=exc.message,
-                    )
-                    continue
-                yield Replayed(msg.metadata.sequence.stream, msg.subject, event)
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
-        with contextlib.suppress(Exception):
-            await event_log.js.delete_consumer(stream, info.name)
+                if (item := await _decoded(event_log, msg)) is not None:
+                    yield item
 
 
 async def tail(
@@ -95,34 +103,13 @@ async def tail(
     idle_timeout_s: float = 0.5,
 ) -> AsyncIterator[Replayed]:
     """Like `replay`, but keeps following the stream until `stop` is set (a projection's live feed)."""
-    config = api.ConsumerConfig(
-        ack_policy=api.AckPolicy.NONE,
-        filter_subject=subject_filter,
-        inactive_threshold=120.0,
-        mem_storage=True,
-        num_replicas=1,
-        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-        opt_start_seq=max(start_seq, 1),
-    )
-    sub = await event_log.js.pull_subscribe(subject_filter, durable=None, stream=stream, config=config)
-    info = await sub.consumer_info()
-    try:
+    deliver = {"deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": max(start_seq, 1)}
+    async with _ephemeral(event_log, stream, subject_filter, **deliver) as (sub, _):
         while not stop.is_set():
             try:
                 msgs = await sub.fetch(batch, timeout=idle_timeout_s)
             except TimeoutError:  # nats-py raises its own subclass or a bare asyncio timeout
                 continue
             for msg in msgs:
-                try:
-                    event = await event_log.resolve(msg.data)
-                except PoisonEvent as exc:
-                    log.warning(
-                        "tail skipped an undecodable event", stream_seq=msg.metadata.sequence.stream, reason=exc.message
-                    )
-                    continue
-                yield Replayed(msg.metadata.sequence.stream, msg.subject, event)
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
-        with contextlib.suppress(Exception):
-            await event_log.js.delete_consumer(stream, info.name)
+                if (item := await _decoded(event_log, msg)) is not None:
+                    yield item
