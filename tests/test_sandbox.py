@@ -8,8 +8,8 @@ import pytest
 
 from pipeline import sandbox as sandbox_module
 from pipeline.sandbox import BwrapSandboxPool, SandboxSettings, SandboxUnavailable, modal_sandbox_request
-from schemas import IslandIdentity, PromptGroup, Trajectory, VersionSpan
-from workers.bench.hostile_programs import SECRET_ENV, SECRET_FILE, catalogue, open_listener
+from schemas import IslandIdentity, PromptGroup
+from workers.bench.hostile_programs import SECRET_ENV, SECRET_FILE, catalogue, code_answer, open_listener
 from workers.verifiers import CodeTests
 
 TESTS = "def test_adds():\n    assert add(2, 3) == 5\n\ndef test_negative():\n    assert add(-2, 1) == -1\n"
@@ -24,23 +24,6 @@ GROUP = PromptGroup(
 )
 ISLAND = IslandIdentity(island_id="i", accelerator="cpu", view="bf16", engine="torch")
 FAST = SandboxSettings(pool_size=2, wall_timeout_s=4, cpu_seconds=2, max_processes=24)
-
-
-def _answer(code: str) -> Trajectory:
-    return Trajectory(
-        run_id="r",
-        trajectory_id="t",
-        group_id="g",
-        sample_index=0,
-        task="code",
-        prompt_token_ids=[1],
-        output_token_ids=[2],
-        logprobs=[-1.0],
-        finish_reason="stop",
-        version_spans=[VersionSpan(version=0, start=0, end=1)],
-        island=ISLAND,
-        text=f"```python\n{code}\n```",
-    )
 
 
 @pytest.fixture
@@ -63,12 +46,12 @@ def _sandbox_processes() -> list[str]:
 
 
 async def test_a_correct_answer_passes_and_a_wrong_one_names_the_test(pool):
-    good = await CodeTests().verify(_answer("def add(a, b):\n    return a + b"), GROUP, pool)
+    good = await CodeTests().verify(code_answer("def add(a, b):\n    return a + b"), GROUP, pool)
     assert good.value == 1.0 and good.error_class is None and good.sandbox_id.startswith("bwrap-")
-    bad = await CodeTests().verify(_answer("def add(a, b):\n    return abs(a + b)"), GROUP, pool)
+    bad = await CodeTests().verify(code_answer("def add(a, b):\n    return abs(a + b)"), GROUP, pool)
     assert bad.value == 0.0 and bad.error_class == "test_failed"
     assert bad.details["failed_test"] == "test_negative"
-    missing = await CodeTests().verify(_answer("print('no function here')"), GROUP, pool)
+    missing = await CodeTests().verify(code_answer("print('no function here')"), GROUP, pool)
     assert missing.format_error and missing.value == 0.0
 
 
@@ -79,11 +62,11 @@ async def test_hostile_catalogue_is_contained(pool, monkeypatch):
     try:
         cases = catalogue(listener.getsockname()[1])
         for name, (code, classes) in cases.items():
-            verdict = await CodeTests().verify(_answer(code), GROUP, pool)
+            verdict = await CodeTests().verify(code_answer(code), GROUP, pool)
             assert verdict.value == 0.0, name
             assert verdict.error_class in classes, (name, verdict.error_class, verdict.details)
             assert "top secret" not in str(verdict.details) and "also secret" not in str(verdict.details), name
-            healthy = await CodeTests().verify(_answer("def add(a, b):\n    return a + b"), GROUP, pool)
+            healthy = await CodeTests().verify(code_answer("def add(a, b):\n    return a + b"), GROUP, pool)
             assert healthy.value == 1.0, f"sandbox unhealthy after {name}"
     finally:
         listener.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 
+from schemas import IslandIdentity, Trajectory, VersionSpan
+
 SECRET_FILE = "/root/.sprawl-sandbox-test-secret"
 SECRET_ENV = "SPRAWL_SANDBOX_TEST_SECRET"
 
@@ -51,3 +53,21 @@ def open_listener() -> socket.socket:
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     return listener
+
+
+def code_answer(code: str, run_id: str = "r") -> Trajectory:
+    """A trajectory whose answer is `code` in a python block, as the code verifier receives it."""
+    return Trajectory(
+        run_id=run_id,
+        trajectory_id="t",
+        group_id="g",
+        sample_index=0,
+        task="code",
+        prompt_token_ids=[1],
+        output_token_ids=[2],
+        logprobs=[-1.0],
+        finish_reason="stop",
+        version_spans=[VersionSpan(version=0, start=0, end=1)],
+        island=IslandIdentity(island_id="i", accelerator="cpu", view="bf16", engine="torch"),
+        text=f"```python\n{code}\n```",
+    )

@@ -125,15 +125,11 @@ def bench_sandbox(quick: bool) -> tuple[list[dict], dict]:
 
 async def _hostile_catalogue(settings: SandboxSettings) -> tuple[int, int]:
     """Each hostile program as a code answer: contained = reward 0 with an error class, sandbox still healthy."""
-    import socket
-
-    from schemas import IslandIdentity, PromptGroup, Trajectory, VersionSpan
-    from workers.bench.hostile_programs import catalogue
+    from schemas import PromptGroup
+    from workers.bench.hostile_programs import catalogue, code_answer, open_listener
     from workers.verifiers import CodeTests
 
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
+    listener = open_listener()
     group = PromptGroup(
         run_id="b",
         group_id="g",
@@ -143,28 +139,13 @@ async def _hostile_catalogue(settings: SandboxSettings) -> tuple[int, int]:
         n_samples=1,
         metadata={"tests": "def test_adds():\n    assert add(2, 3) == 5\n"},
     )
-    island = IslandIdentity(island_id="b", accelerator="cpu", view="bf16", engine="torch")
     pool = BwrapSandboxPool(settings.model_copy(update={"pool_size": 2, "max_processes": 24}))
     await pool.start()
     contained = 0
     cases = catalogue(listener.getsockname()[1])
     try:
         for code, classes in cases.values():
-            text = f"```python\n{code}\n```"
-            trajectory = Trajectory(
-                run_id="b",
-                trajectory_id="t",
-                group_id="g",
-                sample_index=0,
-                task="code",
-                prompt_token_ids=[1],
-                output_token_ids=[2],
-                logprobs=[-1.0],
-                finish_reason="stop",
-                version_spans=[VersionSpan(version=0, start=0, end=1)],
-                island=island,
-                text=text,
-            )
+            trajectory = code_answer(code, run_id="b")
             verdict = await CodeTests().verify(trajectory, group, pool)
             healthy = await pool.run(TRIVIAL)
             if verdict.value == 0.0 and verdict.error_class in classes and healthy.error_class is None:
