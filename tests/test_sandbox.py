@@ -8,7 +8,7 @@ import pytest
 
 from pipeline import sandbox as sandbox_module
 from pipeline.sandbox import BwrapSandboxPool, SandboxSettings, SandboxUnavailable, modal_sandbox_request
-from schemas import IslandIdentity, PromptGroup
+from schemas import PromptGroup
 from workers.bench.hostile_programs import SECRET_ENV, SECRET_FILE, catalogue, code_answer, open_listener
 from workers.verifiers import CodeTests
 
@@ -22,7 +22,6 @@ GROUP = PromptGroup(
     n_samples=1,
     metadata={"tests": TESTS},
 )
-ISLAND = IslandIdentity(island_id="i", accelerator="cpu", view="bf16", engine="torch")
 FAST = SandboxSettings(pool_size=2, wall_timeout_s=4, cpu_seconds=2, max_processes=24)
 
 
