@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Literal
 
 import structlog
@@ -11,8 +12,10 @@ import structlog
 LogFormat = Literal["auto", "json", "console"]
 
 
-def configure_logging(run_id: str, fmt: LogFormat = "auto", level: str = "INFO") -> None:
-    use_console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+def configure_logging(run_id: str, fmt: LogFormat = "auto", level: str = "INFO", file: Path | None = None) -> None:
+    """Logs go to stderr, or appended to `file` (when the terminal belongs to a live view)."""
+    stream = file.open("a", buffering=1) if file is not None else sys.stderr
+    use_console = fmt == "console" or (fmt == "auto" and stream.isatty())
     renderer = structlog.dev.ConsoleRenderer() if use_console else structlog.processors.JSONRenderer()
     structlog.configure(
         processors=[
@@ -24,7 +27,7 @@ def configure_logging(run_id: str, fmt: LogFormat = "auto", level: str = "INFO")
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()

@@ -92,6 +92,32 @@ async def replay(
                     yield item
 
 
+async def tail_messages(
+    event_log: EventLog,
+    stream: str,
+    subject_filter: str,
+    start_seq: int,
+    stop: asyncio.Event,
+    *,
+    batch: int = 256,
+    idle_timeout_s: float = 0.5,
+) -> AsyncIterator:
+    """The raw messages of a live feed, for readers that only glance at a few fields of busy streams."""
+    deliver = {"deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": max(start_seq, 1)}
+    async with _ephemeral(event_log, stream, subject_filter, **deliver) as (sub, _):
+        while not stop.is_set():
+            try:
+                msgs = await sub.fetch(batch, timeout=idle_timeout_s)
+            except TimeoutError:  # nats-py raises its own subclass or a bare asyncio timeout
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    # nats-py's fetch can turn our cancellation into a timeout: do not swallow it.
+                    raise asyncio.CancelledError from None
+                continue
+            for msg in msgs:
+                yield msg
+
+
 async def tail(
     event_log: EventLog,
     stream: str,
@@ -103,13 +129,8 @@ async def tail(
     idle_timeout_s: float = 0.5,
 ) -> AsyncIterator[Replayed]:
     """Like `replay`, but keeps following the stream until `stop` is set (a projection's live feed)."""
-    deliver = {"deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": max(start_seq, 1)}
-    async with _ephemeral(event_log, stream, subject_filter, **deliver) as (sub, _):
-        while not stop.is_set():
-            try:
-                msgs = await sub.fetch(batch, timeout=idle_timeout_s)
-            except TimeoutError:  # nats-py raises its own subclass or a bare asyncio timeout
-                continue
-            for msg in msgs:
-                if (item := await _decoded(event_log, msg)) is not None:
-                    yield item
+    async for msg in tail_messages(
+        event_log, stream, subject_filter, start_seq, stop, batch=batch, idle_timeout_s=idle_timeout_s
+    ):
+        if (item := await _decoded(event_log, msg)) is not None:
+            yield item

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
-import signal
 import sys
 from pathlib import Path
 
@@ -28,12 +28,25 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
     return overrides
 
 
+def _last_up_run(args: argparse.Namespace) -> str | None:
+    """The run `sprawl up` last ran under this state folder, when nothing else names a run: so that
+    `just sql` right after `just up` queries that run."""
+    if args.run_id or os.environ.get("SPRAWL_RUN_ID") or args.config or os.environ.get("SPRAWL_CONFIG"):
+        return None
+    marker = (args.state_dir or Path(os.environ.get("SPRAWL_STATE_DIR", ".sprawl"))) / "current_run"
+    return marker.read_text().strip() or None if marker.is_file() else None
+
+
 def _settings(cls, args: argparse.Namespace):
     """Load a worker's settings and set up its logs (before anything heavy is imported)."""
     from pipeline.config import load_settings
     from pipeline.logs import configure_logging
 
-    settings = load_settings(cls, args.config, **_overrides(args))
+    overrides = _overrides(args)
+    remembered = _last_up_run(args)
+    if remembered is not None:
+        overrides["run_id"] = remembered
+    settings = load_settings(cls, args.config, **overrides)
     configure_logging(settings.run_id, settings.log_format, settings.log_level)
     return settings
 
@@ -98,37 +111,31 @@ def cmd_infra(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Bring the stack up (or reuse it), declare the run's streams, stay up until Ctrl-C."""
-    from infra import stack
+    """The stack, the whole fleet, a real short RL run on a mixed-precision fleet, and its summary."""
+    from pydantic import ValidationError
 
-    settings = _stack_settings(args)
-    st = stack.up(settings)
-    _print_stack(st)
-    applied = asyncio.run(_apply_infra(settings))
-    print(
-        f"infra: {sum(1 for a in applied if not a.startswith('unchanged'))} declared/updated, "
-        f"{sum(1 for a in applied if a.startswith('unchanged'))} unchanged (run {settings.run_id})"
-    )
-    if args.detach:
-        return 0
-    print(
-        "stack is up; Ctrl-C stops it"
-        if not st.already_running
-        else "Ctrl-C exits (the stack was already running and stays up)"
-    )
-    stop = False
+    from infra.stack import StackSettings
+    from workers.up import UpOptions, run_up
 
-    def _stop(*_: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
-    while not stop:
-        signal.pause() if hasattr(signal, "pause") else None
-    if not st.already_running:
-        print("stopping: " + ", ".join(stack.down(settings)))
-    return 0
+    try:
+        options = UpOptions(
+            quick=args.quick,
+            islands=args.islands,
+            views=args.views,
+            correction=args.correction,
+            fresh=args.fresh,
+            json_output=args.json,
+            versions=args.versions,
+            live=False if args.no_live else None,
+        )
+    except ValidationError as exc:
+        raise SprawlError(
+            "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors()), hint="see `sprawl up --help`"
+        ) from None
+    result = run_up(options, StackSettings, args.config, _overrides(args))
+    if args.json:
+        print(json.dumps(result.summary))
+    return 130 if result.interrupted else 0
 
 
 def _emit(relation, fmt: str, output: Path | None) -> None:
@@ -267,8 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     _common(p_stack)
     p_stack.set_defaults(func=cmd_stack)
 
-    p_up = sub.add_parser("up", help="stack up, streams declared, stays up until Ctrl-C")
-    p_up.add_argument("--detach", action="store_true", help="return once the stack is up")
+    p_up = sub.add_parser("up", help="the stack, the fleet and a real short RL run, live, with a summary")
+    p_up.add_argument("--quick", action="store_true", help="a shorter run (30 updates)")
+    p_up.add_argument("--islands", type=int, default=2, help="sampler islands (default 2)")
+    p_up.add_argument("--views", default="bf16,fp8", help="served views, assigned to islands in turn (bf16, fp8)")
+    p_up.add_argument(
+        "--correction", default="sc+mis+mask", help="off-policy correction: sc, mis, tis, mask, geo, seq, ppo, none"
+    )
+    p_up.add_argument("--fresh", action="store_true", help="start a new run instead of continuing the last one")
+    p_up.add_argument("--versions", type=int, default=None, help="updates to add (default 300, quick 30)")
+    p_up.add_argument("--json", action="store_true", help="print the summary as one JSON object, last")
+    p_up.add_argument("--no-live", action="store_true", help="progress lines instead of the live view")
     _common(p_up)
     p_up.set_defaults(func=cmd_up)
 

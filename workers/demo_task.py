@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,7 +27,7 @@ PAD, BOS, EOS = 0, 1, 2
 class TaskConfig:
     digits: int = 2
     """Operands have up to this many digits."""
-    warmup_steps: int = 300
+    warmup_steps: int = 550
     """Supervised steps on correct examples before RL."""
     warmup_batch: int = 64
     warmup_lr: float = 3e-3
@@ -39,6 +41,8 @@ def build_tokenizer():
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
+    # Registered as special, so decoding (in the samplers, for the verifier) leaves `<eos>` out.
+    tokenizer.add_special_tokens(SPECIALS)
     return tokenizer
 
 
@@ -111,7 +115,7 @@ def pass_rate(model, tokenizer, cfg: TaskConfig, n: int = 64, seed: int = 1) -> 
 def warmed_up_model(state_dir: Path, cfg: TaskConfig = TaskConfig(), progress=None) -> Path:
     """The warmed-up initial policy as an HF directory (with tokenizer.json), built once and cached."""
     tokenizer = build_tokenizer()
-    key = hashlib.sha256(json.dumps({**asdict(cfg), "vocab": SPECIALS + ALPHABET, "v": 1}).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps({**asdict(cfg), "vocab": SPECIALS + ALPHABET, "v": 2}).encode()).hexdigest()[:16]
     directory = state_dir.resolve() / "models" / f"arith-{key}"
     if (directory / "config.json").exists() and (directory / "tokenizer.json").exists():
         return directory
@@ -132,9 +136,41 @@ def warmed_up_model(state_dir: Path, cfg: TaskConfig = TaskConfig(), progress=No
         loss.backward()
         optimizer.step()
         if progress is not None:
-            progress(step + 1, cfg.warmup_steps, float(loss))
-    staging = directory.with_name(directory.name + ".tmp")
+            progress(step + 1, cfg.warmup_steps, loss.item())
+    staging = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
     model.save_pretrained(staging)
     tokenizer.save(str(staging / "tokenizer.json"))
-    staging.rename(directory)  # atomic: a half-written cache is never used
+    try:
+        staging.rename(directory)  # atomic: a half-written cache is never used
+    except OSError:
+        if not (directory / "tokenizer.json").exists():
+            raise
+        shutil.rmtree(staging)  # another process built the same model first: use theirs
     return directory
+
+
+ANSWER_FORMAT = r"\d+"
+"""What a well-formed answer looks like (the verifier counts the rest as format errors)."""
+
+
+def prompt_group(run_id: str, index: int, cfg: TaskConfig, *, n_samples: int, top_p: float, top_logprobs: int):
+    """The run's `index`-th prompt group: the same problem for the same (run, index), so a re-published
+    group deduplicates in the log instead of becoming a second, different group."""
+    from schemas import PromptGroup, SamplingParams
+
+    tokenizer = build_tokenizer()
+    rng = random.Random(f"{run_id}/{index}")
+    prompt, answer = problem(rng, cfg.digits)
+    return PromptGroup(
+        run_id=run_id,
+        group_id=f"g{index:07d}",
+        task="arith",
+        prompt=prompt,
+        prompt_token_ids=[BOS, *tokenizer.encode(prompt).ids],
+        n_samples=n_samples,
+        sampling=SamplingParams(
+            temperature=1.0, top_p=top_p, max_new_tokens=cfg.digits + 2, logprobs_top_k=top_logprobs
+        ),
+        answer=answer,
+        metadata={"answer_format": ANSWER_FORMAT, "digits": str(cfg.digits)},
+    )

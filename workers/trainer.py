@@ -382,6 +382,7 @@ class Trainer:
         await self._take_lease()
         lease = asyncio.create_task(self._keep_lease())
         feeds: list[asyncio.Task] = []
+        feeds_stop = asyncio.Event()
         try:
             await asyncio.to_thread(self._load_model)
             assert self.publisher is not None
@@ -394,8 +395,12 @@ class Trainer:
             else:
                 await self._catch_up(head)
             feeds = [
-                asyncio.create_task(self._feed("TRAJECTORIES", f"rl.{self.run_id}.traj.>", self.next_traj_seq, stop)),
-                asyncio.create_task(self._feed("REWARDS", f"rl.{self.run_id}.reward.>", self.next_reward_seq, stop)),
+                asyncio.create_task(
+                    self._feed("TRAJECTORIES", f"rl.{self.run_id}.traj.>", self.next_traj_seq, feeds_stop)
+                ),
+                asyncio.create_task(
+                    self._feed("REWARDS", f"rl.{self.run_id}.reward.>", self.next_reward_seq, feeds_stop)
+                ),
             ]
             while not stop.is_set():
                 if self.cfg.max_versions is not None and self.version >= self.cfg.max_versions:
@@ -425,6 +430,7 @@ class Trainer:
                 if self.version % self.cfg.checkpoint_every == 0:
                     await self._checkpoint()
         finally:
+            feeds_stop.set()  # the feeds end on this even if a cancellation is lost inside a fetch
             for task in [*feeds, lease]:
                 task.cancel()
             for task in [*feeds, lease]:

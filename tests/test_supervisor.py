@@ -1,0 +1,73 @@
+"""The supervisor restarts crashed workers with backoff, leaves finished ones alone, and stops
+everything it started, the workers' own children included."""
+
+import os
+import sys
+import time
+
+from workers.supervisor import Supervisor, WorkerSpec
+
+
+def _spec(name: str, code: str) -> WorkerSpec:
+    return WorkerSpec(name, [sys.executable, "-c", code], dict(os.environ))
+
+
+def _poll_until(supervisor: Supervisor, condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        supervisor.poll()
+        time.sleep(0.05)
+
+
+def test_a_crashing_worker_is_restarted_with_growing_backoff(tmp_path):
+    supervisor = Supervisor(tmp_path, backoff_initial_s=0.1, backoff_max_s=0.4, healthy_after_s=60)
+    worker = supervisor.add(_spec("crasher", "import sys; print('boom'); sys.exit(3)"))
+    _poll_until(supervisor, lambda: worker.restarts >= 3)
+    supervisor.stop()
+    assert worker.last_exit == 3
+    assert worker.backoff_s == 0.4  # 0.1, 0.2, 0.4: doubled, then capped
+    assert any("crasher exited 3" in event for event in supervisor.events)
+    assert worker.log_file.read_text().count("boom") >= 3
+    assert supervisor.alive_pids() == []
+
+
+def test_a_worker_that_exits_zero_has_finished_and_is_not_restarted(tmp_path):
+    supervisor = Supervisor(tmp_path, backoff_initial_s=0.05)
+    worker = supervisor.add(_spec("done", "pass"))
+    _poll_until(supervisor, lambda: worker.finished)
+    for _ in range(5):
+        supervisor.poll()
+        time.sleep(0.05)
+    assert worker.restarts == 0 and worker.state == "finished"
+
+
+def test_stop_leaves_no_process_behind_even_a_grandchild_or_one_ignoring_sigterm(tmp_path):
+    supervisor = Supervisor(tmp_path)
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    worker = supervisor.add(_spec("stubborn", code))
+    deadline = time.monotonic() + 20
+    while not worker.log_file.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = int(worker.log_file.read_text().split()[0])
+    supervisor.stop(grace_s=0.5)
+    assert supervisor.alive_pids() == []
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{grandchild}") and "Z" not in _state(grandchild):
+        assert time.monotonic() < deadline, "the worker's child survived the stop"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0]
+    except OSError:
+        return "Z"

@@ -1,0 +1,138 @@
+"""`sprawl up` end to end, as a user runs it: its own stack on free ports, the whole fleet as
+processes, a real run, then the log, the islands' caches, the archive and the report checked.
+
+The default suite runs a 3-update smoke version; the `slow` test runs `--quick` and checks more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infra import stack
+from pipeline.eventlog import EventLog
+from pipeline.materialize import verify_directory
+from pipeline.version_log import fetch_version
+from tests.servers import stack_settings
+
+
+def _env(settings) -> dict[str, str]:
+    section = settings.stack
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("SPRAWL_")},
+        "SPRAWL_STACK__NATS_PORT": str(section.nats_port),
+        "SPRAWL_STACK__NATS_MONITOR_PORT": str(section.nats_monitor_port),
+        "SPRAWL_STACK__S3_PORT": str(section.s3_port),
+        "SPRAWL_STACK__SEAWEED_PORT_BASE": str(section.seaweed_port_base),
+        "SPRAWL_NATS__URL": settings.nats.url,
+        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+    }
+
+
+@pytest.fixture
+def up_stack(tmp_path):
+    """Ports for the stack `sprawl up` starts itself; stopped afterwards (the run leaves it up for SQL)."""
+    settings = stack_settings(tmp_path / "state")
+    try:
+        yield settings
+    finally:
+        stack.down(settings)
+
+
+def _sprawl(settings, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "workers.cli", *args, "--state-dir", str(settings.state_dir)],
+        env=_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _leftovers(state_dir: Path) -> list[str]:
+    """Processes started for this state folder (workers carry it in their environment)."""
+    marker = f"SPRAWL_STATE_DIR={state_dir.resolve()}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+            except OSError:
+                continue
+    return found
+
+
+def _run_up(settings, *args: str, timeout: float) -> dict:
+    result = _sprawl(settings, "up", "--json", "--no-live", *args, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert _leftovers(settings.state_dir) == []
+    return summary
+
+
+async def _check_islands_materialized(settings, run_id: str) -> None:
+    """Every island's newest cached version hashes, file by file, to what the log says."""
+    islands = settings.state_dir.resolve() / "islands"
+    event_log = await EventLog.connect(settings.model_copy(update={"run_id": run_id}), worker="test")
+    try:
+        assert len(list(islands.iterdir())) == 2
+        for island in sorted(islands.iterdir()):
+            view = "fp8_e4m3" if island.name.endswith("fp8") else "bf16"
+            cached = sorted((island / run_id / view).glob("v*/sprawl-version.json"))
+            assert cached, f"{island.name} materialized nothing"
+            newest = cached[-1].parent
+            event = await fetch_version(event_log, run_id, int(newest.name[1:]))
+            expected = {v.view: v.root_hash for v in event.views}[view]
+            assert verify_directory(newest) == expected, f"{island.name} {newest.name}"
+    finally:
+        await event_log.close()
+
+
+def _check_common(summary: dict, versions: int) -> None:
+    assert summary["versions"] == versions and summary["versions_this_run"] == versions
+    assert {i["view"] for i in summary["islands"]} == {"bf16", "fp8_e4m3"}
+    assert all(i["trajectories"] > 0 for i in summary["islands"])
+    assert summary["trained_views"] == ["bf16", "fp8_e4m3"]  # both precisions' samples were trained on
+    assert summary["rewards"] > 0
+    assert 0 < summary["patch_bytes"] < summary["keyframe_bytes"]
+    assert summary["dead_letters"] == 0 and summary["interrupted"] is False
+    for key in ("run_id", "reward_first", "reward_last", "reward_ci", "wall_s"):
+        assert key in summary
+
+
+def test_up_smoke_runs_the_whole_loop_and_leaves_no_worker(up_stack):
+    summary = _run_up(up_stack, "--versions", "3", "--fresh", timeout=400)
+    _check_common(summary, 3)
+    asyncio.run(_check_islands_materialized(up_stack, summary["run_id"]))
+    assert Path(summary["report"]).read_text().startswith("<!doctype html>")
+
+
+@pytest.mark.slow
+def test_up_quick_end_to_end_then_continue_and_query(up_stack):
+    summary = _run_up(up_stack, "--quick", "--fresh", timeout=900)
+    _check_common(summary, 30)
+    run_id = summary["run_id"]
+    asyncio.run(_check_islands_materialized(up_stack, run_id))
+    report = Path(summary["report"]).read_text()
+    assert report.startswith("<!doctype html>") and "<img" in report
+
+    # The archive answers a canned audit, and `sprawl sql` defaults to the run `up` ran.
+    audit = _sprawl(up_stack, "audit", "staleness", "--json", timeout=120)
+    assert audit.returncode == 0, audit.stderr
+    assert len(json.loads(audit.stdout)) == 30  # one metrics row per update
+    counts = _sprawl(
+        up_stack, "sql", "--json", "SELECT island.view AS view, count(*) AS n FROM trajectories GROUP BY 1", timeout=120
+    )
+    assert counts.returncode == 0, counts.stderr
+    assert {row["view"] for row in json.loads(counts.stdout)} == {"bf16", "fp8_e4m3"}
+
+    # A second `up` continues the same run from the log: the trainer restores and goes on.
+    again = _run_up(up_stack, "--versions", "4", timeout=600)
+    assert again["run_id"] == run_id and again["versions"] == 34 and again["versions_this_run"] == 4

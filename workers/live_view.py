@@ -1,0 +1,134 @@
+"""The live terminal view of `sprawl up` (rich), and the plain progress line when there is no terminal."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from workers.run_monitor import RunState
+from workers.supervisor import Supervisor
+
+_BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 60, low: float = 0.0, high: float = 1.0) -> str:
+    """Values resampled to `width` buckets (bucket means), drawn as block characters between low and high."""
+    if not values:
+        return ""
+    buckets = max(1, min(width, len(values)))
+    out = []
+    for b in range(buckets):
+        lo = b * len(values) // buckets
+        chunk = values[lo : max(lo + 1, (b + 1) * len(values) // buckets)]
+        mean = sum(chunk) / len(chunk)
+        level = (mean - low) / (high - low) if high > low else 0.0
+        out.append(_BLOCKS[min(len(_BLOCKS) - 1, max(0, int(level * len(_BLOCKS))))])
+    return "".join(out)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def _latest(state: RunState, key: str) -> float | None:
+    for m in reversed(state.metrics):
+        if key in m.metrics:
+            return m.metrics[key]
+    return None
+
+
+def _island_kl(state: RunState, group: str) -> float | None:
+    for m in reversed(state.metrics):
+        if group in m.per_group and "kl_k3" in m.per_group[group]:
+            return m.per_group[group]["kl_k3"]
+    return None
+
+
+def render(state: RunState, supervisor: Supervisor | None, *, phase: str, target: int | None) -> Group:
+    elapsed = time.time() - state.started_at
+    head = state.head
+    header = Text.assemble(
+        ("sprawl up ", "bold"),
+        (f"run {state.run_id}", "cyan"),
+        f"  ·  {phase}  ·  {elapsed:,.0f}s",
+    )
+
+    trainer = Table.grid(padding=(0, 2))
+    trainer.add_column(style="dim")
+    trainer.add_column()
+    step_times = [m.metrics["update_s"] for m in state.metrics[-10:] if "update_s" in m.metrics]
+    version_times = [v.at for k, v in sorted(state.versions.items())[-11:]]
+    per_version = (version_times[-1] - version_times[0]) / (len(version_times) - 1) if len(version_times) > 1 else None
+    trainer.add_row("version", f"{head if head is not None else '-'}" + (f" / {target}" if target is not None else ""))
+    trainer.add_row(
+        "step time",
+        (f"{sum(step_times) / len(step_times):.2f}s update" if step_times else "-")
+        + (f", {per_version:.2f}s per version" if per_version else ""),
+    )
+    stale = _latest(state, "staleness_mean")
+    trainer.add_row("staleness", f"{stale:.2f} versions (mean, last update)" if stale is not None else "-")
+    reward = _latest(state, "reward_mean")
+    trainer.add_row("reward", f"{reward:.3f} (last update)" if reward is not None else "-")
+    patch, full, _ = state.bytes_totals()
+    trainer.add_row(
+        "bytes",
+        f"patches {human_bytes(patch)} vs full checkpoints {human_bytes(full)}"
+        + (f" ({patch / full:.1%})" if full else ""),
+    )
+    letters = sum(state.dead_letters.values())
+    trainer.add_row(
+        "dead letters",
+        (f"{letters} " + ", ".join(f"{k}: {v}" for k, v in state.dead_letters.items())) if letters else "0",
+    )
+    trainer.add_row("dropped groups", str(state.dropped_groups))
+
+    islands = Table("island", "view", "serving", "state", "tok/s", "trajectories", "KL k3", expand=False)
+    for island in sorted(state.islands.values(), key=lambda i: i.island_id):
+        kl = _island_kl(state, island.group)
+        islands.add_row(
+            island.island_id,
+            island.view,
+            "-" if island.version is None else f"v{island.version}",
+            island.state,
+            f"{island.tokens_per_s:.0f}",
+            str(state.trajectories_by_island.get(island.island_id, 0)),
+            "-" if kl is None else f"{kl:.2e}",
+        )
+
+    curve = [r for _, r in state.reward_curve()]
+    reward_panel = Text(sparkline(curve) or "(no updates yet)")
+    if curve:
+        reward_panel.append(f"  first {curve[0]:.2f} → last {curve[-1]:.2f}  ({len(curve)} updates)", style="dim")
+
+    parts = [
+        header,
+        Panel(trainer, title="trainer", title_align="left"),
+        Panel(islands, title="islands", title_align="left"),
+        Panel(reward_panel, title="reward per update (0 to 1)", title_align="left"),
+    ]
+    if supervisor is not None:
+        workers = Table("worker", "state", "pid", "restarts", expand=False)
+        for worker in supervisor.workers.values():
+            pid = worker.process.pid if worker.process is not None else "-"
+            workers.add_row(worker.spec.name, worker.state, str(pid), str(worker.restarts))
+        events = "\n".join(supervisor.events[-3:])
+        parts.append(Panel(Group(workers, Text(events, style="yellow")) if events else workers, title="workers"))
+    return Group(*parts)
+
+
+def progress_line(state: RunState, *, phase: str, target: int | None) -> str:
+    """One line for logs and non-terminals."""
+    reward = _latest(state, "reward_mean")
+    return (
+        f"[{time.time() - state.started_at:6.0f}s] {phase}: version {state.head}/{target}, "
+        f"reward {reward if reward is None else round(reward, 3)}, "
+        f"trajectories {dict(state.trajectories_by_view)}, dead letters {sum(state.dead_letters.values())}"
+    )

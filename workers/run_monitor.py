@@ -1,0 +1,267 @@
+"""What `sprawl up` knows about its run: a projection of the log, rebuilt by tailing the streams.
+
+Everything the live view and the end summary show comes from events (versions, trainer metrics,
+heartbeats, trajectories, rewards, dead letters, dropped groups) plus each version's lineage in
+S3, so a second `sprawl up` that continues a run sees the whole history, not just its own part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import statistics
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import msgspec
+
+from pipeline.blobstore import BlobStore
+from pipeline.errors import PoisonEvent
+from pipeline.eventlog import EventLog
+from pipeline.logs import get_logger
+from pipeline.replay import tail_messages
+from schemas import (
+    DeadLetter,
+    GroupDropped,
+    IslandHeartbeat,
+    PolicyVersion,
+    PromptGroup,
+    Reward,
+    TrainerMetrics,
+    Trajectory,
+)
+
+log = get_logger(__name__)
+
+
+@dataclass
+class IslandState:
+    island_id: str
+    view: str
+    group: str
+    version: int | None = None
+    state: str = "starting"
+    tokens_per_s: float = 0.0
+    groups_done: int = 0
+    seen_at: float = 0.0
+
+
+@dataclass
+class VersionRecord:
+    version: int
+    trainer_step: int
+    at: float
+    shipped_bytes: int
+    """Bytes a sampler of each view downloads for this version (patches, or keyframes), all views."""
+    patch_bytes: int
+    full_bytes: int
+    """What shipping a full keyframe of every view at this version would have cost."""
+    consumed: int
+    groups: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Comparison:
+    """Mean group reward of the first and the last fifth of the updates, and a 95% CI on their difference."""
+
+    first: float
+    last: float
+    ci: float
+    groups_first: int
+    groups_last: int
+
+    @property
+    def improved(self) -> bool:
+        return self.last - self.first > self.ci
+
+
+@dataclass
+class RunState:
+    run_id: str
+    started_at: float = field(default_factory=time.time)
+    versions: dict[int, VersionRecord] = field(default_factory=dict)
+    keyframe_size: dict[str, int] = field(default_factory=dict)
+    metrics: list[TrainerMetrics] = field(default_factory=list)
+    islands: dict[str, IslandState] = field(default_factory=dict)
+    trajectories_by_view: Counter = field(default_factory=Counter)
+    trajectories_by_island: Counter = field(default_factory=Counter)
+    rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    format_errors: int = 0
+    rewards_seen: int = 0
+    prompts_published: int = 0
+    dead_letters: Counter = field(default_factory=Counter)
+    dropped_groups: int = 0
+
+    @property
+    def head(self) -> int | None:
+        return max(self.versions) if self.versions else None
+
+    def trained_groups(self) -> int:
+        return sum(len(v.groups) for v in self.versions.values()) + self.dropped_groups
+
+    def bytes_totals(self) -> tuple[int, int, int]:
+        """(patch bytes, what full keyframes for those patches would be, all bytes shipped) over the run."""
+        updates = [v for v in self.versions.values() if v.version > 0]
+        patch = sum(v.patch_bytes for v in updates)
+        full = sum(v.full_bytes for v in updates)
+        return patch, full, sum(v.shipped_bytes for v in self.versions.values())
+
+    def reward_curve(self) -> list[tuple[int, float]]:
+        return [(m.version, m.metrics["reward_mean"]) for m in self.metrics if "reward_mean" in m.metrics]
+
+    def group_reward(self, group_id: str) -> float | None:
+        values = self.rewards.get(group_id)
+        return sum(values) / len(values) if values else None
+
+    def comparison(self, fraction: float = 0.2) -> Comparison | None:
+        """First vs last `fraction` of the updates, by the groups each update trained on (its lineage)."""
+        updates = [self.versions[v] for v in sorted(self.versions) if v > 0 and self.versions[v].groups]
+        if len(updates) < 2:
+            return None
+        k = max(1, round(len(updates) * fraction))
+        first = [r for v in updates[:k] for g in v.groups if (r := self.group_reward(g)) is not None]
+        last = [r for v in updates[-k:] for g in v.groups if (r := self.group_reward(g)) is not None]
+        if len(first) < 2 or len(last) < 2:
+            return None
+        ci = 1.96 * math.sqrt(statistics.variance(first) / len(first) + statistics.variance(last) / len(last))
+        return Comparison(statistics.fmean(first), statistics.fmean(last), ci, len(first), len(last))
+
+
+class _IslandGlance(msgspec.Struct):
+    island_id: str
+    view: str
+
+
+class _TrajectoryGlance(msgspec.Struct):
+    island: _IslandGlance
+
+
+class _RewardGlance(msgspec.Struct):
+    group_id: str
+    value: float
+    format_error: bool = False
+
+
+_GLANCES = {
+    "TRAJECTORIES": msgspec.json.Decoder(_TrajectoryGlance),
+    "REWARDS": msgspec.json.Decoder(_RewardGlance),
+}
+
+
+class RunMonitor:
+    """Tails the run's streams into a RunState (one task per stream)."""
+
+    def __init__(self, event_log: EventLog, blobs: BlobStore, run_id: str):
+        self.log, self.blobs = event_log, blobs
+        self.state = RunState(run_id)
+        self._tasks: list[asyncio.Task] = []
+        self._stop = asyncio.Event()
+
+    def start(self) -> None:
+        run = self.state.run_id
+        feeds = {
+            "POLICY": f"rl.{run}.policy.*",
+            "METRICS": f"rl.{run}.>",
+            "TRAJECTORIES": f"rl.{run}.traj.>",
+            "REWARDS": f"rl.{run}.reward.>",
+            "PROMPTS": f"rl.{run}.prompts",
+            "DEADLETTER": f"rl.{run}.deadletter.>",
+            "TRAINER": f"rl.{run}.trainer.dropped",
+        }
+        self._tasks = [
+            asyncio.create_task(self._follow(stream, subject), name=f"monitor-{stream}")
+            for stream, subject in feeds.items()
+        ]
+
+    async def stop(self) -> None:
+        self._stop.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _follow(self, stream: str, subject: str) -> None:
+        while not self._stop.is_set():
+            try:
+                async for msg in tail_messages(self.log, stream, subject, 1, self._stop):
+                    if stream in _GLANCES and self._glance(stream, msg.data):
+                        continue
+                    try:
+                        event = await self.log.resolve(msg.data)
+                    except PoisonEvent:
+                        continue  # dead-lettered by the worker that consumed it; counted there
+                    await self._apply(event)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a NATS restart: resume (idempotent projection, so from the start)
+                log.warning("monitor feed failed; resuming", stream=stream, error=repr(exc))
+                await asyncio.sleep(1.0)
+
+    def _glance(self, stream: str, data: bytes) -> bool:
+        """Count a trajectory or a reward from the few fields the view needs (these streams carry
+        most of the bytes: decoding every token list would cost a core). False: decode it fully."""
+        try:
+            seen = _GLANCES[stream].decode(data)
+        except msgspec.ValidationError:
+            return False  # e.g. a claim check
+        if isinstance(seen, _TrajectoryGlance):
+            self.state.trajectories_by_view[seen.island.view] += 1
+            self.state.trajectories_by_island[seen.island.island_id] += 1
+        else:
+            self.state.rewards[seen.group_id].append(seen.value)
+            self.state.rewards_seen += 1
+            self.state.format_errors += seen.format_error
+        return True
+
+    async def _apply(self, event) -> None:
+        state = self.state
+        match event:
+            case PolicyVersion():
+                await self._on_version(event)
+            case TrainerMetrics():
+                if not any(m.version == event.version for m in state.metrics):
+                    state.metrics.append(event)
+                    state.metrics.sort(key=lambda m: m.version)
+            case IslandHeartbeat():
+                island = state.islands.setdefault(
+                    event.island.island_id,
+                    IslandState(event.island.island_id, event.island.view, event.island.group or event.island.view),
+                )
+                island.version, island.state = event.current_version, event.state
+                island.tokens_per_s, island.groups_done = event.tokens_per_s, event.prompt_groups_done
+                island.seen_at = time.time()
+            case Trajectory():
+                state.trajectories_by_view[event.island.view] += 1
+                state.trajectories_by_island[event.island.island_id] += 1
+            case Reward():
+                state.rewards[event.group_id].append(event.value)
+                state.rewards_seen += 1
+                state.format_errors += event.format_error
+            case PromptGroup():
+                state.prompts_published += 1
+            case DeadLetter():
+                state.dead_letters[event.error_class] += 1
+            case GroupDropped():
+                state.dropped_groups += 1
+
+    async def _on_version(self, event: PolicyVersion) -> None:
+        state = self.state
+        for view in event.views:
+            if view.kind == "keyframe":
+                state.keyframe_size[view.view] = view.bytes
+        shipped = sum(v.bytes for v in event.views)
+        patch = sum(v.bytes for v in event.views if v.kind == "patch")
+        full = sum(state.keyframe_size.get(v.view, v.bytes) for v in event.views)
+        groups: list[str] = []
+        if event.lineage_uri:
+            try:
+                lineage = json.loads(await asyncio.to_thread(self.blobs.get_bytes, event.lineage_uri))
+                groups = [g["group_id"] for g in lineage["groups"]]
+            except Exception as exc:  # the summary says which versions it could not attribute
+                log.warning("lineage unreadable", version=event.version, error=repr(exc))
+        at = event.produced_at.timestamp()
+        state.versions[event.version] = VersionRecord(
+            event.version, event.trainer_step, at, shipped, patch, full, event.consumed_trajectories, groups
+        )

@@ -1,0 +1,185 @@
+"""Supervised worker processes for `sprawl up`: restart with backoff, stop without leftovers.
+
+Each worker runs in its own session (a terminal's Ctrl-C reaches only the supervisor, which then
+stops the workers in order, SIGTERM first so they drain) and with a parent-death signal (if the
+supervisor itself is SIGKILLed, the kernel kills the workers too). A worker that exits non-zero is
+restarted after an exponential backoff that resets once it has stayed up for a while; one that
+exits 0 has finished its job and is left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.logs import get_logger
+
+log = get_logger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class WorkerSpec:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+
+
+@dataclass
+class Worker:
+    spec: WorkerSpec
+    log_file: Path
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    next_start_at: float = 0.0
+    backoff_s: float = 0.0
+    finished: bool = False
+    last_exit: int | None = None
+    pids: list[int] = field(default_factory=list)
+    """Every pid this worker has had (tests check none is left)."""
+
+    @property
+    def state(self) -> str:
+        if self.finished:
+            return "finished"
+        if self.process is not None and self.process.poll() is None:
+            return "running"
+        return "backoff"
+
+
+class Supervisor:
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        backoff_initial_s: float = 1.0,
+        backoff_max_s: float = 30.0,
+        healthy_after_s: float = 30.0,
+    ):
+        self.log_dir = log_dir
+        self.backoff_initial_s, self.backoff_max_s, self.healthy_after_s = (
+            backoff_initial_s,
+            backoff_max_s,
+            healthy_after_s,
+        )
+        self.workers: dict[str, Worker] = {}
+        self.events: list[str] = []
+        """Human-readable restarts and exits, newest last (the live view shows them)."""
+
+    def add(self, spec: WorkerSpec) -> Worker:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        worker = Worker(spec, self.log_dir / f"{spec.name}.log")
+        self.workers[spec.name] = worker
+        self._spawn(worker)
+        return worker
+
+    def _spawn(self, worker: Worker) -> None:
+        out = worker.log_file.open("ab")
+        try:
+            worker.process = subprocess.Popen(
+                worker.spec.argv,
+                env=worker.spec.env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            out.close()
+        worker.pids.append(worker.process.pid)
+        worker.started_at = time.monotonic()
+        log.info("worker started", worker=worker.spec.name, pid=worker.process.pid, restarts=worker.restarts)
+
+    def poll(self) -> None:
+        """Notice exits and restart crashed workers whose backoff has passed. Call it often."""
+        now = time.monotonic()
+        for worker in self.workers.values():
+            if worker.finished:
+                continue
+            process = worker.process
+            if process is not None and process.poll() is not None:
+                worker.last_exit = process.returncode
+                worker.process = None
+                if process.returncode == 0:
+                    worker.finished = True
+                    self.events.append(f"{worker.spec.name} finished")
+                    log.info("worker finished", worker=worker.spec.name)
+                    continue
+                ran = now - worker.started_at
+                worker.backoff_s = (
+                    self.backoff_initial_s
+                    if ran >= self.healthy_after_s or worker.backoff_s == 0
+                    else min(worker.backoff_s * 2, self.backoff_max_s)
+                )
+                worker.next_start_at = now + worker.backoff_s
+                self.events.append(
+                    f"{worker.spec.name} exited {process.returncode} after {ran:.0f}s; "
+                    f"restart in {worker.backoff_s:.0f}s (see {worker.log_file})"
+                )
+                log.warning(
+                    "worker exited; restarting after backoff",
+                    worker=worker.spec.name,
+                    exit_code=process.returncode,
+                    backoff_s=worker.backoff_s,
+                    log_file=str(worker.log_file),
+                )
+            if worker.process is None and now >= worker.next_start_at:
+                worker.restarts += 1
+                self._spawn(worker)
+
+    def stop(self, names: list[str] | None = None, *, grace_s: float = 15.0) -> None:
+        """SIGTERM (the workers drain), then SIGKILL whatever is still there after `grace_s`."""
+        chosen = [self.workers[n] for n in (names or list(self.workers))]
+        for worker in chosen:
+            worker.finished = True  # no restarts from here on
+            if worker.process is not None and worker.process.poll() is None:
+                _signal_group(worker.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for worker in chosen:
+            if worker.process is None:
+                continue
+            try:
+                worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("worker did not stop in time; killing it", worker=worker.spec.name)
+                _signal_group(worker.process.pid, signal.SIGKILL)
+                worker.process.wait()
+            # The worker's own children (e.g. sandbox helpers) share its process group.
+            _signal_group(worker.process.pid, signal.SIGKILL)
+
+    def alive_pids(self) -> list[int]:
+        return [pid for w in self.workers.values() for pid in w.pids if _alive(pid)]
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A reaped child's pid can be reused, but a zombie we have not reaped still answers: check.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
