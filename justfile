@@ -5,9 +5,9 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 default:
     @just --list
 
-# the local stack, streams declared, stays up until Ctrl-C (later: plus a short RL run)
-up:
-    sprawl up
+# the stack, the fleet and a real short RL run with a live view (`just up --quick`, `--fresh`, `--json`, ...)
+up *ARGS:
+    sprawl up {{ARGS}}
 
 # the local stack only, in the background (stop it with `just down`)
 stack:

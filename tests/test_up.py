@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -136,3 +138,46 @@ def test_up_quick_end_to_end_then_continue_and_query(up_stack):
     # A second `up` continues the same run from the log: the trainer restores and goes on.
     again = _run_up(up_stack, "--versions", "4", timeout=600)
     assert again["run_id"] == run_id and again["versions"] == 34 and again["versions_this_run"] == 4
+
+
+def _pids_with(state_dir: Path, variable: str) -> list[int]:
+    marker = f"SPRAWL_STATE_DIR={state_dir.resolve()}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if marker in environ and variable.encode() in environ:
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_up_restarts_a_killed_sampler_and_the_run_still_finishes(up_stack):
+    state_dir = ["--state-dir", str(up_stack.state_dir)]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "workers.cli", "up", "--json", "--no-live", "--versions", "12", "--fresh", *state_dir],
+        env=_env(up_stack),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (victims := _pids_with(up_stack.state_dir, "SPRAWL_ISLAND__ISLAND_ID=island1-fp8")):
+            assert time.monotonic() < deadline and process.poll() is None, "the fp8 sampler never started"
+            time.sleep(0.2)
+        time.sleep(5)  # let it take part first
+        os.kill(victims[0], signal.SIGKILL)
+        stdout, stderr = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr[-4000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["versions"] == 12
+    assert summary["restarts"]["sampler-island1-fp8"] >= 1
+    assert "sampler-island1-fp8 exited -9" in stderr  # the restart is visible, not silent
+    assert _leftovers(up_stack.state_dir) == []

@@ -120,6 +120,9 @@ def warmed_up_model(state_dir: Path, cfg: TaskConfig = TaskConfig(), progress=No
     if (directory / "config.json").exists() and (directory / "tokenizer.json").exists():
         return directory
     from transformers import Qwen3MoeForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our caller draws its own progress
 
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)

@@ -393,6 +393,7 @@ async def _run(options: UpOptions, settings, config, run_dir: Path, continuing: 
         if live is not None:
             live.start()
         trainer = supervisor.workers["trainer"]
+        shown_events = 0
         while True:
             supervisor.poll()
             state = monitor.state
@@ -411,7 +412,11 @@ async def _run(options: UpOptions, settings, config, run_dir: Path, continuing: 
                 break
             if live is not None:
                 live.update(render(state, supervisor, phase=phase, target=target))
-            elif time.monotonic() - last_line > 10:
+            else:
+                for event in supervisor.events[shown_events:]:  # restarts are news: print them at once
+                    out.print(f"[{time.time() - state.started_at:6.0f}s] {event}")
+                shown_events = len(supervisor.events)
+            if live is None and time.monotonic() - last_line > 10:
                 last_line = time.monotonic()
                 out.print(progress_line(state, phase=phase, target=target))
             await asyncio.sleep(0.25)
