@@ -74,6 +74,10 @@ def render(state: RunState, supervisor: Supervisor | None, *, phase: str, target
         + (f", {per_version:.2f}s per version" if per_version else ""),
     )
     stale = _latest(state, "staleness_mean")
+    recent = [v for k, v in sorted(state.versions.items())[-11:]]
+    if len(recent) > 1 and recent[-1].at > recent[0].at:
+        samples = sum(v.consumed for v in recent[1:]) / (recent[-1].at - recent[0].at)
+        trainer.add_row("throughput", f"{samples:.0f} trained samples/s")
     trainer.add_row("staleness", f"{stale:.2f} versions (mean, last update)" if stale is not None else "-")
     reward = _latest(state, "reward_mean")
     trainer.add_row("reward", f"{reward:.3f} (last update)" if reward is not None else "-")
@@ -105,8 +109,10 @@ def render(state: RunState, supervisor: Supervisor | None, *, phase: str, target
 
     curve = [r for _, r in state.reward_curve()]
     reward_panel = Text(sparkline(curve) or "(no updates yet)")
-    if curve:
-        reward_panel.append(f"  first {curve[0]:.2f} → last {curve[-1]:.2f}  ({len(curve)} updates)", style="dim")
+    if len(curve) >= 5:
+        k = max(1, len(curve) // 5)
+        first, last = sum(curve[:k]) / k, sum(curve[-k:]) / k
+        reward_panel.append(f"  first fifth {first:.2f} → last fifth {last:.2f}  ({len(curve)} updates)", style="dim")
 
     parts = [
         header,

@@ -104,5 +104,6 @@ def summarize(
     if report is not None:
         lines.append(f"report: {report}")
     lines.append("try:")
-    lines += [f'  just sql "{sql}"   # {what}' for what, sql in SQL_SUGGESTIONS]
+    for what, sql in SQL_SUGGESTIONS:
+        lines += [f"  # {what}", f'  just sql "{sql}"']
     return summary, "\n".join(lines)

@@ -51,8 +51,15 @@ class Worker:
     pids: list[int] = field(default_factory=list)
     """Every pid this worker has had (tests check none is left)."""
 
+    stopped: bool = False
+    """Stopped by the supervisor (as opposed to finished by itself)."""
+
     @property
     def state(self) -> str:
+        if self.process is not None and self.process.poll() is None:
+            return "stopping" if self.stopped else "running"
+        if self.stopped:
+            return "stopped"
         if self.finished:
             return "finished"
         if self.process is not None and self.process.poll() is None:
@@ -145,6 +152,8 @@ class Supervisor:
         """SIGTERM (the workers drain), then SIGKILL whatever is still there after `grace_s`."""
         chosen = [self.workers[n] for n in (names or list(self.workers))]
         for worker in chosen:
+            if not worker.finished:
+                worker.stopped = True
             worker.finished = True  # no restarts from here on
             if worker.process is not None and worker.process.poll() is None:
                 _signal_group(worker.process.pid, signal.SIGTERM)
