@@ -181,3 +181,30 @@ def test_up_restarts_a_killed_sampler_and_the_run_still_finishes(up_stack):
     assert summary["restarts"]["sampler-island1-fp8"] >= 1
     assert "sampler-island1-fp8 exited -9" in stderr  # the restart is visible, not silent
     assert _leftovers(up_stack.state_dir) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_worker_and_the_stack_it_started(up_stack):
+    state_dir = ["--state-dir", str(up_stack.state_dir)]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "workers.cli", "up", "--json", "--no-live", "--versions", "1000", "--fresh", *state_dir],
+        env=_env(up_stack),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not list(up_stack.state_dir.glob("islands/*/*/*/v00000002")):  # training is under way
+            assert time.monotonic() < deadline and process.poll() is None, "the run never got to v2"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends to the foreground process
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, stderr[-4000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["interrupted"] is True and 0 < summary["versions"] < 1000
+    assert _leftovers(up_stack.state_dir) == []
+    assert stack.status(up_stack) is None  # `up` started the stack, so Ctrl-C stopped it too
