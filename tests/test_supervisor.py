@@ -27,6 +27,7 @@ def test_a_crashing_worker_is_restarted_with_growing_backoff(tmp_path):
     supervisor.stop()
     assert worker.last_exit == 3
     assert worker.backoff_s == 0.4  # 0.1, 0.2, 0.4: doubled, then capped
+    assert worker.crash_streak >= 3  # what makes `sprawl up` give up on a worker that cannot start
     assert any("crasher exited 3" in event for event in supervisor.events)
     assert worker.log_file.read_text().count("boom") >= 3
     assert supervisor.alive_pids() == []

@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         "--correction", default="sc+mis+mask", help="off-policy correction: sc, mis, tis, mask, geo, seq, ppo, none"
     )
     p_up.add_argument("--fresh", action="store_true", help="start a new run instead of continuing the last one")
-    p_up.add_argument("--versions", type=int, default=None, help="updates to add (default 300, quick 30)")
+    p_up.add_argument("--versions", type=int, default=None, help="updates to add (default 500, quick 30)")
     p_up.add_argument("--json", action="store_true", help="print the summary as one JSON object, last")
     p_up.add_argument("--no-live", action="store_true", help="progress lines instead of the live view")
     _common(p_up)

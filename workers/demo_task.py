@@ -21,6 +21,8 @@ import torch
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 ALPHABET = list("0123456789+=")
 PAD, BOS, EOS = 0, 1, 2
+VOCAB_SIZE = len(SPECIALS) + len(ALPHABET)
+"""Small enough that samplers return the whole distribution: score centering is then exact."""
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ def render(state: RunState, supervisor: Supervisor | None, *, phase: str, target
         )
 
     curve = [r for _, r in state.reward_curve()]
-    reward_panel = Text(sparkline(curve) or "(no updates yet)")
+    reward_panel = Text(sparkline(curve, width=50) or "(no updates yet)")
     if len(curve) >= 5:
         k = max(1, len(curve) // 5)
         first, last = sum(curve[:k]) / k, sum(curve[-k:]) / k

@@ -43,6 +43,8 @@ class Worker:
     log_file: Path
     process: subprocess.Popen | None = None
     restarts: int = 0
+    crash_streak: int = 0
+    """Crashes in a row, each before the worker had stayed up for `healthy_after_s`."""
     started_at: float = 0.0
     next_start_at: float = 0.0
     backoff_s: float = 0.0
@@ -127,6 +129,7 @@ class Supervisor:
                     log.info("worker finished", worker=worker.spec.name)
                     continue
                 ran = now - worker.started_at
+                worker.crash_streak = 1 if ran >= self.healthy_after_s else worker.crash_streak + 1
                 worker.backoff_s = (
                     self.backoff_initial_s
                     if ran >= self.healthy_after_s or worker.backoff_s == 0

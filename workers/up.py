@@ -27,7 +27,7 @@ from pydantic import BaseModel, field_validator
 
 from pipeline.errors import SprawlError
 from pipeline.logs import get_logger
-from workers.demo_task import TaskConfig
+from workers.demo_task import VOCAB_SIZE, TaskConfig
 
 log = get_logger(__name__)
 
@@ -53,7 +53,7 @@ class UpOptions(BaseModel):
     fresh: bool = False
     json_output: bool = False
     versions: int | None = None
-    """Updates this invocation adds to the run (default 300, quick 30)."""
+    """Updates this invocation adds to the run (default 500, quick 30)."""
     groups_per_batch: int = 8
     group_size: int = 16
     learning_rate: float = 3e-4
@@ -93,7 +93,7 @@ class UpOptions(BaseModel):
 
     @property
     def target_versions(self) -> int:
-        return self.versions if self.versions is not None else (30 if self.quick else 300)
+        return self.versions if self.versions is not None else (30 if self.quick else 500)
 
     def island_views(self) -> list[str]:
         return [self.views[i % len(self.views)] for i in range(self.islands)]
@@ -110,10 +110,6 @@ def loss_fields(correction: str) -> dict[str, object]:
             raise ValueError(f"unknown correction {part!r}: combine {', '.join(CORRECTIONS)} with '+', or 'none'")
         fields |= CORRECTIONS[part]
     return fields
-
-
-def task_config(options: UpOptions) -> TaskConfig:
-    return TaskConfig()
 
 
 # ---------------------------------------------------------------- run identity
@@ -182,7 +178,7 @@ def worker_specs(
                     **env,
                     "SPRAWL_ISLAND__VIEW": view,
                     "SPRAWL_ISLAND__ISLAND_ID": island_id,
-                    "SPRAWL_ISLAND__TOP_LOGPROBS": "16",
+                    "SPRAWL_ISLAND__TOP_LOGPROBS": str(VOCAB_SIZE),
                     "SPRAWL_ISLAND__POLL_INTERVAL_S": "1",
                     # The materializer adds <run>/<view>/ below this.
                     "SPRAWL_ISLAND__MATERIALIZE__CACHE_DIR": str(state_dir / "islands" / island_id),
@@ -193,48 +189,6 @@ def worker_specs(
     specs.append(WorkerSpec("rewards", [*sprawl, "rewards"], env))
     specs.append(WorkerSpec("archiver", [*sprawl, "archiver"], env))
     return specs
-
-
-# ---------------------------------------------------------------- the prompt driver
-
-
-class PromptDriver:
-    """Keeps `groups_ahead` prompt groups published beyond what the trainer has taken."""
-
-    def __init__(self, event_log, run_id: str, options: UpOptions, cfg: TaskConfig, first_index: int):
-        self.log, self.run_id, self.options, self.cfg = event_log, run_id, options, cfg
-        self.next_index = first_index
-
-    async def top_up(self, trained_groups: int, stop_after: int) -> int:
-        """Publish until the window is full (never beyond the groups the remaining updates need)."""
-        from workers.demo_task import prompt_group
-
-        published = 0
-        limit = min(trained_groups + self.options.groups_ahead, stop_after)
-        while self.next_index < limit:
-            group = prompt_group(
-                self.run_id,
-                self.next_index,
-                self.cfg,
-                n_samples=self.options.group_size,
-                top_p=self.options.top_p,
-                top_logprobs=16,
-            )
-            await self.log.append(group)
-            self.next_index += 1
-            published += 1
-        return published
-
-
-async def prompts_in_log(event_log, run_id: str) -> int:
-    from pipeline.subjects import prompts_subject
-
-    subject = prompts_subject(run_id)
-    try:
-        info = await event_log.js.stream_info("PROMPTS", subjects_filter=subject)
-    except Exception:
-        return 0
-    return int((info.state.subjects or {}).get(subject, 0))
 
 
 # ---------------------------------------------------------------- the run
@@ -268,6 +222,9 @@ def run_up(options: UpOptions, settings_cls, config: Path | None, overrides: dic
     from pipeline.logs import configure_logging
 
     out = _Output(options.json_output)
+    # A closed terminal (SIGHUP) or a `kill` (SIGTERM) stops the run like Ctrl-C does: cleanly.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
     base = load_settings(settings_cls, config, **overrides)
     state_dir = base.state_dir
     run_id, continuing = choose_run_id(state_dir, overrides.get("run_id"), options.fresh)
@@ -278,7 +235,13 @@ def run_up(options: UpOptions, settings_cls, config: Path | None, overrides: dic
     configure_logging(run_id, "json", settings.log_level, file=run_dir / "up.log")
 
     started = time.monotonic()
-    st = stack.up(settings)
+    was_running = stack.status(settings) is not None
+    try:
+        st = stack.up(settings)
+    except KeyboardInterrupt:
+        if not was_running:
+            stack.down(settings)  # Ctrl-C while the servers were starting: stop what had started
+        raise
     started_stack = not st.already_running
     out.print(f"stack {'reused' if st.already_running else 'started'}: nats {st.nats_url}, s3 {st.s3_endpoint}")
     settings = settings.model_copy(
@@ -301,6 +264,10 @@ def run_up(options: UpOptions, settings_cls, config: Path | None, overrides: dic
     finally:
         if interrupted and started_stack:
             out.print("stopping the stack: " + ", ".join(stack.down(settings)))
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _base_env(settings, config: Path | None) -> dict[str, str]:
@@ -330,13 +297,14 @@ async def _run(options: UpOptions, settings, config, run_dir: Path, continuing: 
     from pipeline.version_log import chain_head
     from workers.demo_task import warmed_up_model
     from workers.live_view import progress_line, render
+    from workers.prompt_driver import PromptDriver, prompts_in_log
     from workers.run_monitor import RunMonitor
     from workers.summary import summarize
     from workers.supervisor import Supervisor
 
     event_log = await EventLog.connect(settings, worker="up")
     await apply(event_log.js, settings.streams, settings.run_id)
-    cfg = task_config(options)
+    cfg = TaskConfig()
 
     with Progress(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
@@ -378,7 +346,7 @@ async def _run(options: UpOptions, settings, config, run_dir: Path, continuing: 
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     live_wanted = options.live if options.live is not None else out.console.is_terminal
     # Groups the remaining updates can use: published groups are never wasted beyond the last update.
@@ -402,11 +370,13 @@ async def _run(options: UpOptions, settings, config, run_dir: Path, continuing: 
                 await driver.top_up(state.trained_groups(), stop_after)
             if trainer.finished:
                 break
-            if trainer.restarts > 5:
-                raise SprawlError(
-                    f"the trainer keeps crashing ({trainer.restarts} restarts)",
-                    hint=f"see {trainer.log_file}",
-                )
+            for worker in supervisor.workers.values():
+                if worker.crash_streak > 5:
+                    raise SprawlError(
+                        f"{worker.spec.name} keeps crashing ({worker.crash_streak} times in a row, "
+                        f"last exit {worker.last_exit})",
+                        hint=f"its log is {worker.log_file}",
+                    )
             if stop.is_set():
                 interrupted = True
                 break

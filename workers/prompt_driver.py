@@ -1,0 +1,50 @@
+"""The prompt driver of `sprawl up`: demo-task prompt groups into the log, a bounded window ahead.
+
+Publishing stays `groups_ahead` groups beyond what the trainer has taken, so the samplers are never
+idle and never far ahead: staleness stays near groups_ahead / groups_per_batch versions without
+any lockstep between trainer and fleet. Group i of a run is always the same problem, so a
+re-published group deduplicates in the log.
+"""
+
+from __future__ import annotations
+
+from workers.demo_task import VOCAB_SIZE, TaskConfig
+
+
+class PromptDriver:
+    """Keeps `groups_ahead` prompt groups published beyond what the trainer has taken."""
+
+    def __init__(self, event_log, run_id: str, options, cfg: TaskConfig, first_index: int):
+        self.log, self.run_id, self.options, self.cfg = event_log, run_id, options, cfg
+        self.next_index = first_index
+
+    async def top_up(self, trained_groups: int, stop_after: int) -> int:
+        """Publish until the window is full (never beyond the groups the remaining updates need)."""
+        from workers.demo_task import prompt_group
+
+        published = 0
+        limit = min(trained_groups + self.options.groups_ahead, stop_after)
+        while self.next_index < limit:
+            group = prompt_group(
+                self.run_id,
+                self.next_index,
+                self.cfg,
+                n_samples=self.options.group_size,
+                top_p=self.options.top_p,
+                top_logprobs=VOCAB_SIZE,
+            )
+            await self.log.append(group)
+            self.next_index += 1
+            published += 1
+        return published
+
+
+async def prompts_in_log(event_log, run_id: str) -> int:
+    from pipeline.subjects import prompts_subject
+
+    subject = prompts_subject(run_id)
+    try:
+        info = await event_log.js.stream_info("PROMPTS", subjects_filter=subject)
+    except Exception:
+        return 0
+    return int((info.state.subjects or {}).get(subject, 0))
