@@ -119,18 +119,10 @@ async def tail_messages(
 
 
 async def tail(
-    event_log: EventLog,
-    stream: str,
-    subject_filter: str,
-    start_seq: int,
-    stop: asyncio.Event,
-    *,
-    batch: int = 256,
-    idle_timeout_s: float = 0.5,
+    event_log: EventLog, stream: str, subject_filter: str, start_seq: int, stop: asyncio.Event, **fetch
 ) -> AsyncIterator[Replayed]:
-    """Like `replay`, but keeps following the stream until `stop` is set (a projection's live feed)."""
-    async for msg in tail_messages(
-        event_log, stream, subject_filter, start_seq, stop, batch=batch, idle_timeout_s=idle_timeout_s
-    ):
+    """Like `replay`, but keeps following the stream until `stop` is set (a projection's live feed).
+    `fetch`: `batch` and `idle_timeout_s`, as for `tail_messages`."""
+    async for msg in tail_messages(event_log, stream, subject_filter, start_seq, stop, **fetch):
         if (item := await _decoded(event_log, msg)) is not None:
             yield item

@@ -154,29 +154,43 @@ def _pids_with(state_dir: Path, variable: str) -> list[int]:
     return pids
 
 
-@pytest.mark.slow
-def test_up_restarts_a_killed_sampler_and_the_run_still_finishes(up_stack):
-    state_dir = ["--state-dir", str(up_stack.state_dir)]
+def _run_up_meanwhile(settings, versions: int, meanwhile) -> tuple[int, dict, str]:
+    """`sprawl up` in the background; `meanwhile(process)` acts on it; then (exit code, summary, stderr)."""
+    options = ["--json", "--no-live", "--versions", str(versions), "--fresh", "--state-dir", str(settings.state_dir)]
     process = subprocess.Popen(
-        [sys.executable, "-m", "workers.cli", "up", "--json", "--no-live", "--versions", "12", "--fresh", *state_dir],
-        env=_env(up_stack),
+        [sys.executable, "-m", "workers.cli", "up", *options],
+        env=_env(settings),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        deadline = time.monotonic() + 300
-        while not (victims := _pids_with(up_stack.state_dir, "SPRAWL_ISLAND__ISLAND_ID=island1-fp8")):
-            assert time.monotonic() < deadline and process.poll() is None, "the fp8 sampler never started"
-            time.sleep(0.2)
-        time.sleep(5)  # let it take part first
-        os.kill(victims[0], signal.SIGKILL)
+        meanwhile(process)
         stdout, stderr = process.communicate(timeout=600)
     finally:
         if process.poll() is None:
             process.kill()
-    assert process.returncode == 0, stderr[-4000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert stdout.strip(), stderr[-4000:]
+    return process.returncode, json.loads(stdout.strip().splitlines()[-1]), stderr
+
+
+def _wait_for(condition, process, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline and process.poll() is None, what
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_up_restarts_a_killed_sampler_and_the_run_still_finishes(up_stack):
+    def kill_the_fp8_sampler(process):
+        find = lambda: _pids_with(up_stack.state_dir, "SPRAWL_ISLAND__ISLAND_ID=island1-fp8")  # noqa: E731
+        _wait_for(find, process, "the fp8 sampler never started")
+        time.sleep(5)  # let it take part first
+        os.kill(find()[0], signal.SIGKILL)
+
+    code, summary, stderr = _run_up_meanwhile(up_stack, 12, kill_the_fp8_sampler)
+    assert code == 0, stderr[-4000:]
     assert summary["versions"] == 12
     assert summary["restarts"]["sampler-island1-fp8"] >= 1
     assert "sampler-island1-fp8 exited -9" in stderr  # the restart is visible, not silent
@@ -185,26 +199,13 @@ def test_up_restarts_a_killed_sampler_and_the_run_still_finishes(up_stack):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_every_worker_and_the_stack_it_started(up_stack):
-    state_dir = ["--state-dir", str(up_stack.state_dir)]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "workers.cli", "up", "--json", "--no-live", "--versions", "1000", "--fresh", *state_dir],
-        env=_env(up_stack),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while not list(up_stack.state_dir.glob("islands/*/*/*/v00000002")):  # training is under way
-            assert time.monotonic() < deadline and process.poll() is None, "the run never got to v2"
-            time.sleep(0.2)
+    def press_ctrl_c_once_training(process):
+        training = lambda: list(up_stack.state_dir.glob("islands/*/*/*/v00000002"))  # noqa: E731
+        _wait_for(training, process, "the run never got to v2")
         process.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends to the foreground process
-        stdout, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 130, stderr[-4000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+
+    code, summary, stderr = _run_up_meanwhile(up_stack, 1000, press_ctrl_c_once_training)
+    assert code == 130, stderr[-4000:]
     assert summary["interrupted"] is True and 0 < summary["versions"] < 1000
     assert _leftovers(up_stack.state_dir) == []
     assert stack.status(up_stack) is None  # `up` started the stack, so Ctrl-C stopped it too
