@@ -16,7 +16,6 @@ import contextlib
 import io
 import json
 import re
-import signal
 import time
 from collections import defaultdict
 from datetime import UTC, datetime
@@ -32,6 +31,7 @@ from pipeline.config import Section, SprawlSettings
 from pipeline.errors import PoisonEvent
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
+from workers.lifecycle import run_connected
 
 log = get_logger(__name__)
 
@@ -208,15 +208,10 @@ class Archiver:
 
 
 async def run_archiver(settings: ArchiverSettings) -> None:
-    event_log = await EventLog.connect(settings, worker="archiver")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
+    async def body(event_log: EventLog, stop: asyncio.Event) -> None:
         await Archiver(settings, event_log, open_blob_store(settings.blobs)).run(stop)
-    finally:
-        await event_log.close()
+
+    await run_connected(settings, "archiver", body)
 
 
 async def drain_once(settings: ArchiverSettings) -> int:

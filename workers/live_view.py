@@ -65,8 +65,9 @@ def render(state: RunState, supervisor: Supervisor | None, *, phase: str, target
     trainer.add_column(style="dim")
     trainer.add_column()
     step_times = [m.metrics["update_s"] for m in state.metrics[-10:] if "update_s" in m.metrics]
-    version_times = [v.at for k, v in sorted(state.versions.items())[-11:]]
-    per_version = (version_times[-1] - version_times[0]) / (len(version_times) - 1) if len(version_times) > 1 else None
+    recent = [v for _, v in sorted(state.versions.items())[-11:]]  # the last 10 updates
+    span_s = recent[-1].at - recent[0].at if len(recent) > 1 else 0.0
+    per_version = span_s / (len(recent) - 1) if span_s > 0 else None
     trainer.add_row("version", f"{head if head is not None else '-'}" + (f" / {target}" if target is not None else ""))
     trainer.add_row(
         "step time",
@@ -74,9 +75,8 @@ def render(state: RunState, supervisor: Supervisor | None, *, phase: str, target
         + (f", {per_version:.2f}s per version" if per_version else ""),
     )
     stale = _latest(state, "staleness_mean")
-    recent = [v for k, v in sorted(state.versions.items())[-11:]]
-    if len(recent) > 1 and recent[-1].at > recent[0].at:
-        samples = sum(v.consumed for v in recent[1:]) / (recent[-1].at - recent[0].at)
+    if per_version is not None:
+        samples = sum(v.consumed for v in recent[1:]) / span_s
         trainer.add_row("throughput", f"{samples:.0f} trained samples/s")
     trainer.add_row("staleness", f"{stale:.2f} versions (mean, last update)" if stale is not None else "-")
     reward = _latest(state, "reward_mean")

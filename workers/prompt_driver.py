@@ -18,11 +18,10 @@ class PromptDriver:
         self.log, self.run_id, self.options, self.cfg = event_log, run_id, options, cfg
         self.next_index = first_index
 
-    async def top_up(self, trained_groups: int, stop_after: int) -> int:
+    async def top_up(self, trained_groups: int, stop_after: int) -> None:
         """Publish until the window is full (never beyond the groups the remaining updates need)."""
         from workers.demo_task import prompt_group
 
-        published = 0
         limit = min(trained_groups + self.options.groups_ahead, stop_after)
         while self.next_index < limit:
             group = prompt_group(
@@ -35,8 +34,6 @@ class PromptDriver:
             )
             await self.log.append(group)
             self.next_index += 1
-            published += 1
-        return published
 
 
 async def prompts_in_log(event_log, run_id: str) -> int:

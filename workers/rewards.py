@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import time
 
 from pipeline.config import SprawlSettings
@@ -21,6 +20,7 @@ from pipeline.logs import get_logger
 from pipeline.replay import tail
 from pipeline.sandbox import SandboxSettings, open_sandbox
 from schemas import PromptGroup, Reward, Trajectory
+from workers.lifecycle import run_connected
 from workers.verifiers import VERIFIERS
 
 log = get_logger(__name__)
@@ -113,12 +113,7 @@ class RewardWorker:
 
 
 async def run_rewards(settings: RewardSettings) -> None:
-    event_log = await EventLog.connect(settings, worker="rewards")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
+    async def body(event_log: EventLog, stop: asyncio.Event) -> None:
         await RewardWorker(settings, event_log, open_sandbox(settings.sandbox)).run(stop)
-    finally:
-        await event_log.close()
+
+    await run_connected(settings, "rewards", body)

@@ -88,11 +88,18 @@ class RunState:
     trajectories_by_view: Counter = field(default_factory=Counter)
     trajectories_by_island: Counter = field(default_factory=Counter)
     rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    format_errors: int = 0
     rewards_seen: int = 0
     prompts_published: int = 0
     dead_letters: Counter = field(default_factory=Counter)
     dropped_groups: int = 0
+
+    def add_trajectory(self, island_id: str, view: str) -> None:
+        self.trajectories_by_view[view] += 1
+        self.trajectories_by_island[island_id] += 1
+
+    def add_reward(self, group_id: str, value: float) -> None:
+        self.rewards[group_id].append(value)
+        self.rewards_seen += 1
 
     @property
     def head(self) -> int | None:
@@ -141,7 +148,6 @@ class _TrajectoryGlance(msgspec.Struct):
 class _RewardGlance(msgspec.Struct):
     group_id: str
     value: float
-    format_error: bool = False
 
 
 _GLANCES = {
@@ -207,12 +213,9 @@ class RunMonitor:
         except msgspec.ValidationError:
             return False  # e.g. a claim check
         if isinstance(seen, _TrajectoryGlance):
-            self.state.trajectories_by_view[seen.island.view] += 1
-            self.state.trajectories_by_island[seen.island.island_id] += 1
+            self.state.add_trajectory(seen.island.island_id, seen.island.view)
         else:
-            self.state.rewards[seen.group_id].append(seen.value)
-            self.state.rewards_seen += 1
-            self.state.format_errors += seen.format_error
+            self.state.add_reward(seen.group_id, seen.value)
         return True
 
     async def _apply(self, event) -> None:
@@ -233,12 +236,9 @@ class RunMonitor:
                 island.tokens_per_s, island.groups_done = event.tokens_per_s, event.prompt_groups_done
                 island.seen_at = time.time()
             case Trajectory():
-                state.trajectories_by_view[event.island.view] += 1
-                state.trajectories_by_island[event.island.island_id] += 1
+                state.add_trajectory(event.island.island_id, event.island.view)
             case Reward():
-                state.rewards[event.group_id].append(event.value)
-                state.rewards_seen += 1
-                state.format_errors += event.format_error
+                state.add_reward(event.group_id, event.value)
             case PromptGroup():
                 state.prompts_published += 1
             case DeadLetter():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import signal
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from pipeline.logs import get_logger
 from schemas import IslandHeartbeat, PromptGroup, Trajectory
 from workers.engines.base import GenerateRequest, Sample
 from workers.island import Island, IslandSection, VersionUnreachable, build_island
+from workers.lifecycle import run_connected
 
 log = get_logger(__name__)
 
@@ -188,13 +188,8 @@ class SamplerWorker:
 
 
 async def run_sampler(settings: SamplerSettings) -> None:
-    event_log = await EventLog.connect(settings, worker=f"sampler-{settings.island.view}")
-    island = build_island(event_log, settings.blobs, settings.run_id, settings.island)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
+    async def body(event_log: EventLog, stop: asyncio.Event) -> None:
+        island = build_island(event_log, settings.blobs, settings.run_id, settings.island)
         await SamplerWorker(settings, event_log, island).run(stop)
-    finally:
-        await event_log.close()
+
+    await run_connected(settings, f"sampler-{settings.island.view}", body)

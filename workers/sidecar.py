@@ -18,8 +18,6 @@ wanted version and Retry-After; engine down or no version yet: 503. Every respon
 
 from __future__ import annotations
 
-import asyncio
-import signal
 import time
 import uuid
 from collections import Counter
@@ -33,6 +31,7 @@ from pipeline.logs import get_logger
 from schemas import SamplingParams, VersionConstraint
 from workers.engines.base import EngineError, GenerateRequest, Sample
 from workers.island import Island, IslandSection, VersionUnreachable, build_island
+from workers.lifecycle import stop_on_signals
 
 log = get_logger(__name__)
 
@@ -372,10 +371,7 @@ async def run_sidecar(settings: SidecarSettings) -> None:
     await island.start()
     runner, port = await serve(Sidecar(island), settings.http.host, settings.http.port)
     log.info("sidecar listening", host=settings.http.host, port=port, view=settings.island.view)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     try:
         await stop.wait()
     finally:

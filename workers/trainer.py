@@ -16,7 +16,6 @@ import contextlib
 import io
 import json
 import random
-import signal
 import socket
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from pipeline.replay import tail
 from pipeline.subjects import token
 from pipeline.version_log import fetch_version
 from schemas import GroupDropped, Reward, TrainerCheckpoint, TrainerLease, TrainerMetrics, Trajectory
+from workers.lifecycle import run_connected
 from workers.trainer_update import UpdateConfig, run_update
 
 log = get_logger(__name__)
@@ -441,12 +441,7 @@ class Trainer:
 
 
 async def run_trainer(settings: TrainerSettings) -> None:
-    event_log = await EventLog.connect(settings, worker="trainer")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
+    async def body(event_log: EventLog, stop: asyncio.Event) -> None:
         await Trainer(settings, event_log, open_blob_store(settings.blobs)).run(stop)
-    finally:
-        await event_log.close()
+
+    await run_connected(settings, "trainer", body)

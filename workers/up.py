@@ -198,7 +198,6 @@ def worker_specs(
 class UpResult:
     run_id: str
     summary: dict
-    text: str
     interrupted: bool
 
 
@@ -296,6 +295,7 @@ async def _run(options: UpOptions, settings, config, run_dir: Path, continuing: 
     from pipeline.eventlog import EventLog
     from pipeline.version_log import chain_head
     from workers.demo_task import warmed_up_model
+    from workers.lifecycle import stop_on_signals
     from workers.live_view import progress_line, render
     from workers.prompt_driver import PromptDriver, prompts_in_log
     from workers.run_monitor import RunMonitor
@@ -344,10 +344,7 @@ async def _run(options: UpOptions, settings, config, run_dir: Path, continuing: 
     ):
         supervisor.add(spec)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals(signal.SIGHUP)
     live_wanted = options.live if options.live is not None else out.console.is_terminal
     # Groups the remaining updates can use: published groups are never wasted beyond the last update.
     groups_needed = (target - start_version) * options.groups_per_batch
@@ -416,7 +413,7 @@ async def _run(options: UpOptions, settings, config, run_dir: Path, continuing: 
         interrupted=interrupted,
     )
     out.print(text)
-    return UpResult(settings.run_id, summary, text, interrupted)
+    return UpResult(settings.run_id, summary, interrupted)
 
 
 async def _wait_caught_up(monitor, head: int | None, prompts: int, timeout_s: float = 30.0) -> None:
