@@ -399,7 +399,7 @@ async def _run(options: UpOptions, settings, config, run_dir: Path, continuing: 
         await asyncio.to_thread(supervisor.stop)  # idempotent: nothing is left behind on any exit
     report_path = None
     if not interrupted:
-        report_path = await _archive_and_report(settings, run_dir, out)
+        report_path = await _archive_and_report(settings, config, run_dir, out)
     await asyncio.sleep(0.5)  # the monitor reads the last rewards and heartbeats
     await monitor.stop()
     await event_log.close()
@@ -426,13 +426,20 @@ async def _wait_caught_up(monitor, head: int | None, prompts: int, timeout_s: fl
         await asyncio.sleep(0.1)
 
 
-async def _archive_and_report(settings, run_dir: Path, out: _Output) -> Path | None:
+async def _archive_and_report(settings, config: Path | None, run_dir: Path, out: _Output) -> Path | None:
     from pipeline.audit import open_archive
+    from pipeline.config import load_settings
     from workers.archiver import ArchiverSettings, drain_once
     from workers.report import write_report
 
-    archiver_settings = ArchiverSettings(
-        run_id=settings.run_id, state_dir=settings.state_dir, nats=settings.nats, blobs=settings.blobs
+    # The archiver worker's own settings (TOML and environment included), at the stack `up` runs on.
+    archiver_settings = load_settings(
+        ArchiverSettings,
+        config,
+        run_id=settings.run_id,
+        state_dir=settings.state_dir,
+        nats=settings.nats,
+        blobs=settings.blobs,
     )
     archived = await drain_once(archiver_settings)
     log.info("archive drained", events=archived)
