@@ -13,8 +13,8 @@ from pipeline.errors import SprawlError
 from schemas import DeadLetter, IslandHeartbeat, IslandIdentity, Reward
 from tests.trainer_data import make_groups, publish_groups, write_initial_model
 from workers.archiver import Archiver, ArchiverSettings, ArchiveSection, drain_once
-from workers.report import write_report
-from workers.trainer import Trainer, TrainerSection, TrainerSettings
+from workers.trainer.loop import Trainer, TrainerSection, TrainerSettings
+from workers.up.report import write_report
 
 pytestmark = pytest.mark.integration
 

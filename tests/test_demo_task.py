@@ -2,7 +2,7 @@
 
 import random
 
-from workers.demo_task import BOS, TaskConfig, build_tokenizer, pass_rate, problem, warmed_up_model
+from workers.up.demo_task import BOS, TaskConfig, build_tokenizer, pass_rate, problem, warmed_up_model
 
 
 def test_tokenizer_is_built_from_the_alphabet_and_round_trips():

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from schemas import SamplingParams
-from workers.engines.base import GenerateRequest
-from workers.engines.http_engines import SGLangEngine, VLLMEngine
-from workers.engines.reference import ReferenceEngine
+from workers.sampler.engines.base import GenerateRequest
+from workers.sampler.engines.reference import ReferenceEngine
+from workers.sampler.engines.sglang import SGLangEngine
+from workers.sampler.engines.vllm import VLLMEngine
 
 pytestmark = pytest.mark.gpu
 

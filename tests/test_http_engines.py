@@ -13,14 +13,9 @@ import pytest
 from aiohttp import web
 
 from schemas import SamplingParams
-from workers.engines.base import GenerateRequest
-from workers.engines.http_engines import (
-    SGLangEngine,
-    sglang_generate_payload,
-    sglang_samples,
-    vllm_generate_payload,
-    vllm_samples,
-)
+from workers.sampler.engines.base import GenerateRequest
+from workers.sampler.engines.sglang import SGLangEngine, sglang_generate_payload, sglang_samples
+from workers.sampler.engines.vllm import vllm_generate_payload, vllm_samples
 
 REQUEST = GenerateRequest(
     prompt_token_ids=[1, 2, 3],

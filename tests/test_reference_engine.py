@@ -11,9 +11,9 @@ from pipeline.sampling import process_logits
 from pipeline.views import get_view
 from schemas import SamplingParams
 from tests.tiny_models import adam_like_step, tiny_moe
-from workers.engines.base import GenerateRequest
-from workers.engines.reference import ReferenceEngine
-from workers.engines.weights import model_state_dict
+from workers.sampler.engines.base import GenerateRequest
+from workers.sampler.engines.reference import ReferenceEngine
+from workers.sampler.engines.weights import model_state_dict
 
 SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_new_tokens=12, logprobs_top_k=8)
 PROMPT = [1, 5, 9, 17, 33, 2]
@@ -148,7 +148,7 @@ async def test_weights_committed_mid_generation_open_a_new_span(checkpoints):
 @pytest.mark.parametrize("view", ["bf16", "fp8_e4m3"])
 async def test_loading_only_changed_tensors_equals_a_full_load(checkpoints, view):
     from pipeline.bits import checksum, to_bits
-    from workers.engines.weights import read_served_tensors
+    from workers.sampler.engines.weights import read_served_tensors
 
     old, new = read_served_tensors(checkpoints[view, 0]), read_served_tensors(checkpoints[view, 1])
     changed = sorted(n for n in new if checksum(to_bits(new[n])) != checksum(to_bits(old[n])))

@@ -8,7 +8,7 @@ import pytest
 from pipeline.replay import replay
 from pipeline.sandbox import SandboxSettings, open_sandbox
 from schemas import IslandIdentity, PromptGroup, Reward, Trajectory, VersionSpan
-from workers.rewards import RewardSettings, RewardWorker
+from workers.rewards.worker import RewardSettings, RewardWorker
 
 pytestmark = pytest.mark.integration
 

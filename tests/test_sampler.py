@@ -17,9 +17,9 @@ from pipeline.sampling import process_logits
 from schemas import PromptGroup, SamplingParams, Trajectory
 from tests.chain_helpers import publisher
 from tests.tiny_models import adam_like_step, tiny_moe
-from workers.engines.reference import ReferenceEngine
-from workers.island import Island, IslandSection
-from workers.sampler import SamplerSettings, SamplerWorker
+from workers.sampler.engines.reference import ReferenceEngine
+from workers.sampler.island import Island, IslandSection
+from workers.sampler.worker import SamplerSettings, SamplerWorker
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ from pipeline import sandbox as sandbox_module
 from pipeline.sandbox import BwrapSandboxPool, SandboxSettings, SandboxUnavailable, modal_sandbox_request
 from schemas import PromptGroup
 from workers.bench.hostile_programs import SECRET_ENV, SECRET_FILE, catalogue, code_answer, open_listener
-from workers.verifiers import CodeTests
+from workers.rewards.verifiers import CodeTests
 
 TESTS = "def test_adds():\n    assert add(2, 3) == 5\n\ndef test_negative():\n    assert add(-2, 1) == -1\n"
 GROUP = PromptGroup(

@@ -8,9 +8,9 @@ from pipeline.blobstore import S3BlobStore
 from pipeline.config import MaterializeSettings
 from tests.chain_helpers import publisher
 from tests.tiny_models import adam_like_step, tiny_moe
-from workers.engines.reference import ReferenceEngine
-from workers.island import Island, IslandSection
-from workers.sidecar import Sidecar, serve
+from workers.sampler.engines.reference import ReferenceEngine
+from workers.sampler.island import Island, IslandSection
+from workers.sampler.sidecar import Sidecar, serve
 
 pytestmark = pytest.mark.integration
 

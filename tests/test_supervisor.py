@@ -5,7 +5,7 @@ import os
 import sys
 import time
 
-from workers.supervisor import Supervisor, WorkerSpec
+from workers.up.supervisor import Supervisor, WorkerSpec
 
 
 def _spec(name: str, code: str) -> WorkerSpec:

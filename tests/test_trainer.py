@@ -17,7 +17,7 @@ from pipeline.version_log import fetch_version
 from schemas import PolicyVersion, TrainerMetrics
 from tests.servers import new_run_id
 from tests.trainer_data import make_groups, publish_groups, write_initial_model
-from workers.trainer import SecondTrainer, Trainer, TrainerSection, TrainerSettings
+from workers.trainer.loop import SecondTrainer, Trainer, TrainerSection, TrainerSettings
 
 pytestmark = pytest.mark.integration
 

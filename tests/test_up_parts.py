@@ -6,9 +6,9 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from schemas import TrainerMetrics
-from workers.live_view import render, sparkline
-from workers.run_monitor import RunState, VersionRecord
-from workers.up import UpOptions, choose_run_id, loss_fields, remember_run
+from workers.up.live_view import render, sparkline
+from workers.up.monitor import RunState, VersionRecord
+from workers.up.orchestrate import UpOptions, choose_run_id, loss_fields, remember_run
 
 
 def test_correction_names_map_to_trainer_loss_settings():

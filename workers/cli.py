@@ -115,7 +115,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from infra.stack import StackSettings
-    from workers.up import UpOptions, run_up
+    from workers.up.orchestrate import UpOptions, run_up
 
     try:
         options = UpOptions(
@@ -212,7 +212,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from workers.report import write_report
+    from workers.up.report import write_report
 
     settings, con, views = _archive(args)
     path = write_report(con, views, settings.run_id, args.output)
@@ -229,7 +229,7 @@ def cmd_archiver(args: argparse.Namespace) -> int:
 
 def cmd_sampler(args: argparse.Namespace) -> int:
     """A sampler island: engine + version follower + prompt consumer."""
-    from workers.sampler import SamplerSettings, run_sampler
+    from workers.sampler.worker import SamplerSettings, run_sampler
 
     asyncio.run(run_sampler(_settings(SamplerSettings, args)))
     return 0
@@ -237,7 +237,7 @@ def cmd_sampler(args: argparse.Namespace) -> int:
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
     """The version-aware HTTP sidecar in front of one engine."""
-    from workers.sidecar import SidecarSettings, run_sidecar
+    from workers.sampler.sidecar import SidecarSettings, run_sidecar
 
     asyncio.run(run_sidecar(_settings(SidecarSettings, args)))
     return 0
@@ -245,7 +245,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
 def cmd_trainer(args: argparse.Namespace) -> int:
     """The trainer: corrected GRPO updates, versions out, recovery by replay."""
-    from workers.trainer import TrainerSettings, run_trainer
+    from workers.trainer.loop import TrainerSettings, run_trainer
 
     asyncio.run(run_trainer(_settings(TrainerSettings, args)))
     return 0
@@ -253,7 +253,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
 
 def cmd_rewards(args: argparse.Namespace) -> int:
     """The reward worker: verifiers, sandboxed."""
-    from workers.rewards import RewardSettings, run_rewards
+    from workers.rewards.worker import RewardSettings, run_rewards
 
     asyncio.run(run_rewards(_settings(RewardSettings, args)))
     return 0

@@ -13,8 +13,8 @@ import sys
 from pipeline.config import load_settings
 from pipeline.eventlog import EventLog
 from pipeline.logs import configure_logging
-from workers.island import build_island
-from workers.sampler import SamplerSettings
+from workers.sampler.island import build_island
+from workers.sampler.worker import SamplerSettings
 
 
 async def main() -> None:

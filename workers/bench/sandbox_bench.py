@@ -127,7 +127,7 @@ async def _hostile_catalogue(settings: SandboxSettings) -> tuple[int, int]:
     """Each hostile program as a code answer: contained = reward 0 with an error class, sandbox still healthy."""
     from schemas import PromptGroup
     from workers.bench.hostile_programs import catalogue, code_answer, open_listener
-    from workers.verifiers import CodeTests
+    from workers.rewards.verifiers import CodeTests
 
     listener = open_listener()
     group = PromptGroup(

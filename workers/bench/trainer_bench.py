@@ -25,7 +25,7 @@ from pipeline.logs import configure_logging
 from pipeline.off_policy import LossConfig
 from schemas import IslandIdentity, Reward, SamplingParams, Trajectory, VersionSpan
 from workers.bench.private_stack import private_stack
-from workers.trainer_update import UpdateConfig, run_update
+from workers.trainer.update import UpdateConfig, run_update
 
 BARE = LossConfig(importance="none", score_centering=False, mask_replay=False)
 DEFAULT = LossConfig()  # MIS (token) + score centering + mask replay, as the trainer runs by default

@@ -23,9 +23,9 @@ from pipeline.errors import PoisonEvent
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
 from schemas import IslandHeartbeat, PromptGroup, Trajectory
-from workers.engines.base import GenerateRequest, Sample
-from workers.island import Island, IslandSection, VersionUnreachable, build_island
 from workers.lifecycle import run_connected
+from workers.sampler.engines.base import GenerateRequest, Sample
+from workers.sampler.island import Island, IslandSection, VersionUnreachable, build_island
 
 log = get_logger(__name__)
 

@@ -9,8 +9,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from workers.run_monitor import RunState
-from workers.supervisor import Supervisor
+from workers.up.monitor import RunState
+from workers.up.supervisor import Supervisor
 
 _BLOCKS = "▁▂▃▄▅▆▇█"
 

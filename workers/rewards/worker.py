@@ -21,7 +21,7 @@ from pipeline.replay import tail
 from pipeline.sandbox import SandboxSettings, open_sandbox
 from schemas import PromptGroup, Reward, Trajectory
 from workers.lifecycle import run_connected
-from workers.verifiers import VERIFIERS
+from workers.rewards.verifiers import VERIFIERS
 
 log = get_logger(__name__)
 

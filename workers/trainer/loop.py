@@ -36,7 +36,7 @@ from pipeline.subjects import token
 from pipeline.version_log import fetch_version
 from schemas import GroupDropped, Reward, TrainerCheckpoint, TrainerLease, TrainerMetrics, Trajectory
 from workers.lifecycle import run_connected
-from workers.trainer_update import UpdateConfig, run_update
+from workers.trainer.update import UpdateConfig, run_update
 
 log = get_logger(__name__)
 

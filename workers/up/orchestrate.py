@@ -27,7 +27,7 @@ from pydantic import BaseModel, field_validator
 
 from pipeline.errors import SprawlError
 from pipeline.logs import get_logger
-from workers.demo_task import VOCAB_SIZE, TaskConfig
+from workers.up.demo_task import VOCAB_SIZE, TaskConfig
 
 log = get_logger(__name__)
 
@@ -136,7 +136,7 @@ def remember_run(state_dir: Path, run_id: str) -> None:
 def worker_specs(
     options: UpOptions, *, base_env: dict[str, str], model_dir: Path, state_dir: Path, max_version: int
 ) -> list:
-    from workers.supervisor import WorkerSpec
+    from workers.up.supervisor import WorkerSpec
 
     sprawl = [sys.executable, "-m", "workers.cli"]
     env = {
@@ -294,13 +294,13 @@ async def _run(options: UpOptions, settings, config, run_dir: Path, continuing: 
     from pipeline.blobstore import open_blob_store
     from pipeline.eventlog import EventLog
     from pipeline.version_log import chain_head
-    from workers.demo_task import warmed_up_model
     from workers.lifecycle import stop_on_signals
-    from workers.live_view import progress_line, render
-    from workers.prompt_driver import PromptDriver, prompts_in_log
-    from workers.run_monitor import RunMonitor
-    from workers.summary import summarize
-    from workers.supervisor import Supervisor
+    from workers.up.demo_task import warmed_up_model
+    from workers.up.live_view import progress_line, render
+    from workers.up.monitor import RunMonitor
+    from workers.up.prompt_driver import PromptDriver, prompts_in_log
+    from workers.up.summary import summarize
+    from workers.up.supervisor import Supervisor
 
     event_log = await EventLog.connect(settings, worker="up")
     await apply(event_log.js, settings.streams, settings.run_id)
@@ -430,7 +430,7 @@ async def _archive_and_report(settings, config: Path | None, run_dir: Path, out:
     from pipeline.audit import open_archive
     from pipeline.config import load_settings
     from workers.archiver import ArchiverSettings, drain_once
-    from workers.report import write_report
+    from workers.up.report import write_report
 
     # The archiver worker's own settings (TOML and environment included), at the stack `up` runs on.
     archiver_settings = load_settings(

@@ -29,9 +29,9 @@ from pipeline.config import Section, SprawlSettings
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
 from schemas import SamplingParams, VersionConstraint
-from workers.engines.base import EngineError, GenerateRequest, Sample
-from workers.island import Island, IslandSection, VersionUnreachable, build_island
 from workers.lifecycle import stop_on_signals
+from workers.sampler.engines.base import EngineError, GenerateRequest, Sample
+from workers.sampler.island import Island, IslandSection, VersionUnreachable, build_island
 
 log = get_logger(__name__)
 

@@ -24,7 +24,7 @@ from pipeline.materialize import Materializer
 from pipeline.subjects import policy_filter
 from pipeline.version_log import VersionNotAvailable, chain_head
 from schemas import IslandIdentity, VersionConstraint
-from workers.engines.base import Capabilities, Engine
+from workers.sampler.engines.base import Capabilities, Engine
 
 log = get_logger(__name__)
 
@@ -57,7 +57,7 @@ class IslandSection(Section):
 def build_island(event_log: EventLog, blob_settings, run_id: str, section: IslandSection) -> Island:
     """The configured engine behind an island (what `sprawl sampler`, `sprawl sidecar` and benchmarks run)."""
     from pipeline.blobstore import open_blob_store
-    from workers.engines.factory import create_engine
+    from workers.sampler.engines.factory import create_engine
 
     engine = create_engine(
         section.engine,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workers.live_view import human_bytes
-from workers.run_monitor import RunState
-from workers.supervisor import Supervisor
+from workers.up.live_view import human_bytes
+from workers.up.monitor import RunState
+from workers.up.supervisor import Supervisor
 
 SQL_SUGGESTIONS = [
     (

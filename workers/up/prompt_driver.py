@@ -8,7 +8,7 @@ re-published group deduplicates in the log.
 
 from __future__ import annotations
 
-from workers.demo_task import VOCAB_SIZE, TaskConfig
+from workers.up.demo_task import VOCAB_SIZE, TaskConfig
 
 
 class PromptDriver:
@@ -20,7 +20,7 @@ class PromptDriver:
 
     async def top_up(self, trained_groups: int, stop_after: int) -> None:
         """Publish until the window is full (never beyond the groups the remaining updates need)."""
-        from workers.demo_task import prompt_group
+        from workers.up.demo_task import prompt_group
 
         limit = min(trained_groups + self.options.groups_ahead, stop_after)
         while self.next_index < limit:

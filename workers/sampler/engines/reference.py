@@ -22,8 +22,8 @@ import torch
 
 from pipeline.sampling import process_logits, truncates
 from schemas import VersionSpan
-from workers.engines.base import Capabilities, EngineUnavailable, GenerateRequest, Sample
-from workers.engines.weights import load_config, model_state_dict
+from workers.sampler.engines.base import Capabilities, EngineUnavailable, GenerateRequest, Sample
+from workers.sampler.engines.weights import load_config, model_state_dict
 
 
 class ReferenceEngine:

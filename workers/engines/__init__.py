@@ -1,1 +1,0 @@
-"""Inference engines behind one interface: the torch reference engine, and vLLM / SGLang adapters."""
