@@ -3,7 +3,11 @@
 import asyncio
 import base64
 import io
+import json
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,7 +17,8 @@ from pipeline.errors import SprawlError
 from schemas import DeadLetter, IslandHeartbeat, IslandIdentity, Reward
 from tests.trainer_data import make_groups, publish_groups, write_initial_model
 from workers.archiver import Archiver, ArchiverSettings, ArchiveSection, drain_once
-from workers.trainer.loop import Trainer, TrainerSection, TrainerSettings
+from workers.trainer.loop import Trainer
+from workers.trainer.settings import TrainerSection, TrainerSettings
 from workers.up.report import write_report
 
 pytestmark = pytest.mark.integration
@@ -148,3 +153,24 @@ async def test_archiver_killed_between_put_and_ack_duplicates_nothing(event_log,
 def test_missing_archive_says_how_to_start_the_archiver(settings):
     with pytest.raises(ArchiveMissing, match="start the archiver"):
         open_archive(settings, run_id="nobody-archived-this")
+
+
+async def test_dead_letters_audit_of_a_run_without_any_returns_no_rows(event_log, settings):
+    """A run that archived events but never dead-lettered one: the audit answers with zero rows."""
+    island = IslandIdentity(island_id="isl", accelerator="cpu", view="bf16", engine="torch")
+    await event_log.append(IslandHeartbeat(run_id=settings.run_id, island=island, current_version=0))
+    assert await drain_once(_archiver_settings(settings)) == 1
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("SPRAWL_")},
+        "SPRAWL_NATS__URL": settings.nats.url,
+        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "audit", "dead-letters", "--json", "--run", settings.run_id],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []

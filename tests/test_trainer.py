@@ -12,12 +12,14 @@ import time
 import pytest
 
 from pipeline.blobstore import S3BlobStore
+from pipeline.lease import LeaseHeld
 from pipeline.replay import replay
 from pipeline.version_log import fetch_version
 from schemas import PolicyVersion, TrainerMetrics
 from tests.servers import new_run_id
 from tests.trainer_data import make_groups, publish_groups, write_initial_model
-from workers.trainer.loop import SecondTrainer, Trainer, TrainerSection, TrainerSettings
+from workers.trainer.loop import Trainer
+from workers.trainer.settings import TrainerSection, TrainerSettings
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +80,7 @@ async def test_updates_publish_versions_with_lineage_and_metrics(event_log, sett
 
 async def test_a_second_trainer_fails_fast(event_log, settings, model_dir):
     first = Trainer(_settings(settings, model_dir), event_log, S3BlobStore(settings.blobs))
-    await first._take_lease()
+    await first.lease.take()
     second = Trainer(
         _settings(settings, model_dir).model_copy(
             update={"trainer": TrainerSection(model_dir=model_dir, trainer_id="t-other")}
@@ -86,8 +88,8 @@ async def test_a_second_trainer_fails_fast(event_log, settings, model_dir):
         event_log,
         S3BlobStore(settings.blobs),
     )
-    with pytest.raises(SecondTrainer, match="already has a trainer \\(t-main\\)"):
-        await second._take_lease()
+    with pytest.raises(LeaseHeld, match="already has a trainer \\(t-main\\)"):
+        await second.lease.take()
 
 
 def _env(settings, run_id, model_dir, checkpoint_every, max_versions) -> dict:

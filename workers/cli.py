@@ -245,7 +245,8 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
 def cmd_trainer(args: argparse.Namespace) -> int:
     """The trainer: corrected GRPO updates, versions out, recovery by replay."""
-    from workers.trainer.loop import TrainerSettings, run_trainer
+    from workers.trainer.loop import run_trainer
+    from workers.trainer.settings import TrainerSettings
 
     asyncio.run(run_trainer(_settings(TrainerSettings, args)))
     return 0

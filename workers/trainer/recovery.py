@@ -1,0 +1,102 @@
+"""Lineage: which trajectories each version consumed, written with the version and read back to
+re-derive versions that a restarted trainer's checkpoint does not cover.
+
+Re-derivation replays the same batches through the same deterministic update and must hash, view
+by view, to the root hashes the log recorded; anything else is a `RecoveryMismatch`, never a
+silently forked chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import torch
+
+from pipeline.batching import GroupBatchItem
+from pipeline.blobstore import BlobStore
+from pipeline.errors import SprawlError
+from pipeline.eventlog import EventLog
+from pipeline.version_log import fetch_version
+from schemas import PolicyVersion, Reward, Trajectory
+
+
+class RecoveryMismatch(SprawlError):
+    def __init__(self, message: str):
+        super().__init__(
+            message,
+            hint="the update must be deterministic and its inputs unchanged; inspect with `sprawl audit lineage`",
+        )
+
+
+async def put_lineage(blobs: BlobStore, run_id: str, version: int, batch: list[GroupBatchItem]) -> str:
+    lineage = {
+        "version": version,
+        "groups": [
+            {
+                "group_id": item.group_id,
+                "members": [
+                    [t.trajectory_id, ts, rs]
+                    for t, ts, rs in zip(item.trajectories, item.trajectory_seqs, item.reward_seqs, strict=True)
+                ],
+            }
+            for item in batch
+        ],
+    }
+    ref = await asyncio.to_thread(
+        blobs.put_bytes, json.dumps(lineage).encode(), f"runs/{run_id}/lineage/v{version:08d}.json"
+    )
+    return ref.uri
+
+
+async def batch_from_lineage(
+    event_log: EventLog, blobs: BlobStore, run_id: str, version: int
+) -> tuple[PolicyVersion, list[GroupBatchItem]]:
+    """The version's event and the exact batch it was trained on, read back from the log."""
+    event = await fetch_version(event_log, run_id, version)
+    if event is None or event.lineage_uri is None:
+        raise RecoveryMismatch(f"version {version} has no lineage: it cannot be re-derived")
+    lineage = json.loads(await asyncio.to_thread(blobs.get_bytes, event.lineage_uri))
+    batch = []
+    for group in lineage["groups"]:
+        trajectories, rewards, tseqs, rseqs = [], [], [], []
+        for trajectory_id, tseq, rseq in group["members"]:
+            traj = await event_log.resolve((await event_log.js.get_msg("TRAJECTORIES", tseq)).data)
+            reward = await event_log.resolve((await event_log.js.get_msg("REWARDS", rseq)).data)
+            if not isinstance(traj, Trajectory) or traj.trajectory_id != trajectory_id:
+                raise RecoveryMismatch(f"lineage of v{version}: TRAJECTORIES seq {tseq} is not {trajectory_id}")
+            if not isinstance(reward, Reward) or reward.trajectory_id != trajectory_id:
+                raise RecoveryMismatch(
+                    f"lineage of v{version}: REWARDS seq {rseq} is not for {trajectory_id}"
+                )
+            trajectories.append(traj)
+            rewards.append(reward)
+            tseqs.append(tseq)
+            rseqs.append(rseq)
+        batch.append(GroupBatchItem(group["group_id"], trajectories, rewards, tseqs, rseqs))
+    return event, batch
+
+
+def root_hashes(model: torch.nn.Module, views: list[str]) -> dict[str, str]:
+    """Each view's manifest root hash for the model's current weights."""
+    from pipeline.bits import checksum, dtype_name, root_hash, to_bits
+    from pipeline.views import get_view
+
+    tie = bool(model.config.to_dict().get("tie_word_embeddings", False))
+    state = model.state_dict()
+    out = {}
+    for name in views:
+        tensors = get_view(name).compute(state, tie_word_embeddings=tie)
+        out[name] = root_hash(
+            [(n, dtype_name(t.dtype), tuple(t.shape), checksum(to_bits(t))) for n, t in tensors.items()]
+        )
+    return out
+
+
+def check_rederived(event: PolicyVersion, ours: dict[str, str]) -> None:
+    for view in event.views:
+        if ours.get(view.view) != view.root_hash:
+            raise RecoveryMismatch(
+                f"re-derived v{event.version} {view.view} hashes to {ours.get(view.view)}, the log says "
+                f"{view.root_hash}: the update is not deterministic or the inputs changed"
+            )
