@@ -2,19 +2,25 @@
 
 The audit issue adds views over the Parquet archive; this module owns the
 connection: where the extension lives, and an S3 secret built from the same
-settings every worker uses.
+settings every worker uses. It also owns what `sprawl sql` needs around a user's
+query: DuckDB's errors as one-line `QueryError`s, and a bounded check that the
+log is reachable before `--fresh` drains it into the archive.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
 import duckdb
+import nats.errors
+from nats.aio.client import Client as NATS
 
-from pipeline.config import S3BlobSettings, SprawlSettings
-from pipeline.errors import SprawlError
+from pipeline.config import NatsSettings, S3BlobSettings, SprawlSettings
+from pipeline.errors import LogError, SprawlError
 
 
 def extension_directory() -> Path:
@@ -68,3 +74,122 @@ def _literal(value: str) -> str:
     if value in {"true", "false"}:
         return value
     return "'" + value.replace("'", "''") + "'"
+
+
+# ------------------------------------------------------------------ a user's query
+
+
+class QueryError(SprawlError):
+    """DuckDB refused a query someone typed: its message on one line, and what to try."""
+
+    def __init__(self, message: str, *, hint: str, duckdb_error: str):
+        self.duckdb_error = duckdb_error
+        """DuckDB's exception class, e.g. `ParserException`."""
+        super().__init__(message, hint=hint)
+
+
+# First match wins: a subclass goes before its base.
+_HINTS: tuple[tuple[type[duckdb.Error], str], ...] = (
+    (
+        duckdb.ParserException,
+        "the query is not valid SQL: check the words near the one DuckDB quotes; "
+        "strings take 'single quotes', names \"double quotes\"",
+    ),
+    (duckdb.BinderException, "`DESCRIBE <view>` lists a view's columns"),
+    (duckdb.ConversionException, "a value does not fit the type it is cast to; TRY_CAST gives NULL instead"),
+    (
+        duckdb.IOException,
+        "a file the query reads could not be opened: is the object store up (`sprawl stack status`)? "
+        "`--fresh` archives what is in the log first",
+    ),
+    (duckdb.OutOfMemoryException, "the result does not fit in memory: aggregate it or add a LIMIT"),
+)
+
+
+def query_error(exc: duckdb.Error, views: Sequence[str] = ()) -> QueryError:
+    """The `QueryError` for a DuckDB error raised by a user's query over `views`."""
+    if isinstance(exc, duckdb.CatalogException):
+        hint = (
+            f"views in this archive: {', '.join(views)}; an event type appears once the archiver has flushed one"
+            if views
+            else "no archive views are open (plain DuckDB): the run has no archive yet"
+        )
+    else:
+        hint = next((h for kind, h in _HINTS if isinstance(exc, kind)), "DuckDB's message says what it refused")
+    return QueryError(_one_line(str(exc)), hint=hint, duckdb_error=type(exc).__name__)
+
+
+@contextlib.contextmanager
+def user_query_errors(views: Sequence[str] = ()) -> Iterator[None]:
+    """Turn any DuckDB error raised inside into a `QueryError`.
+
+    Wrap both the `con.sql(...)` and whatever fetches or writes the result: DuckDB parses and binds
+    eagerly but executes lazily, so a bad cast or an unreadable file only fails on the fetch.
+    """
+    try:
+        yield
+    except duckdb.Error as exc:
+        raise query_error(exc, views) from None
+
+
+def _one_line(message: str) -> str:
+    """DuckDB's message without its caret display (`LINE 1: ...` and a `^` under the spot): the CLI
+    prints one line, and the first lines already name the token or column."""
+    kept = []
+    for line in message.splitlines():
+        if line.startswith("LINE "):
+            break
+        if line.strip():
+            kept.append(line.strip())
+    return " ".join(kept) or message.strip()
+
+
+# ------------------------------------------------------------------ the log, before `--fresh`
+
+
+class LogUnreachable(LogError):
+    def __init__(self, url: str, attempts: int, cause: str):
+        self.url = url
+        super().__init__(
+            f"the log at {url} is unreachable after {attempts} connection attempts per server: {cause}",
+            hint="is NATS running? `sprawl stack status` shows the local stack, SPRAWL_NATS__URL names another; "
+            "without --fresh the query reads what is archived already",
+        )
+
+
+async def check_log_reachable(nats_settings: NatsSettings, *, attempts: int = 2) -> None:
+    """Connect to the log once and disconnect, or raise `LogUnreachable` after `attempts` tries per
+    server, each bounded by `nats_settings.connect_timeout_s`.
+
+    `--fresh` drains the log through the workers' connection, which retries a refused first connect
+    forever (a worker outlives a restarting server); a command someone is waiting on must give up.
+    nats-py tries every server at least twice before it gives up, hence `attempts` >= 2.
+    """
+    if attempts < 2:
+        raise ValueError(f"attempts must be at least 2 (nats-py retries each server once at least), got {attempts}")
+    last_error: list[str] = []
+
+    async def remember(exc: Exception) -> None:  # instead of a warning line per failed attempt
+        last_error[:] = [str(exc) or type(exc).__name__]
+
+    options: dict[str, object] = {
+        "servers": [u.strip() for u in nats_settings.url.split(",")],
+        "name": "sprawl-sql-fresh",
+        "connect_timeout": nats_settings.connect_timeout_s,
+        "reconnect_time_wait": nats_settings.reconnect_wait_s,
+        "max_reconnect_attempts": attempts - 1,  # nats-py: first try + this many, per server
+        "allow_reconnect": False,
+        "error_cb": remember,
+    }
+    if nats_settings.user:
+        options["user"] = nats_settings.user
+        options["password"] = nats_settings.password.get_secret_value() if nats_settings.password else ""
+    if nats_settings.creds_file:
+        options["user_credentials"] = str(nats_settings.creds_file)
+    nc = NATS()
+    try:
+        await nc.connect(**options)
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        cause = last_error[0] if last_error else str(exc) or type(exc).__name__
+        raise LogUnreachable(nats_settings.url, attempts, cause) from None
+    await nc.close()

@@ -1,0 +1,84 @@
+"""`sprawl sql` around a user's query: every DuckDB error is one `QueryError` line, and `--fresh`
+gives up on an unreachable log after a bounded connection attempt instead of retrying forever."""
+
+import asyncio
+import socket
+
+import pytest
+
+from pipeline.config import NatsSettings, SprawlSettings
+from pipeline.errors import SprawlError
+from pipeline.sql import LogUnreachable, QueryError, check_log_reachable, open_duckdb, user_query_errors
+
+
+@pytest.fixture
+def con():
+    con = open_duckdb(SprawlSettings())
+    con.execute("CREATE TABLE rewards AS SELECT 1.0 AS value")
+    yield con
+    con.close()
+
+
+@pytest.mark.parametrize(
+    ("sql", "duckdb_error", "said"),
+    [
+        ("selec 1", "ParserException", 'syntax error at or near "selec"'),
+        ("SELECT * FROM nonexistent_view", "CatalogException", "nonexistent_view"),
+        ("SELECT no_such_column FROM rewards", "BinderException", "no_such_column"),
+        # These two pass parsing and binding and only fail once the result is fetched.
+        ("SELECT 'a'::INTEGER", "ConversionException", "Could not convert string 'a'"),
+        ("SELECT * FROM read_parquet('/nonexistent/*.parquet')", "IOException", "/nonexistent/*.parquet"),
+        ("SELECT error('refused by the query')", "InvalidInputException", "refused by the query"),
+    ],
+)
+def test_every_duckdb_error_of_a_query_is_one_line_with_a_hint(con, sql, duckdb_error, said):
+    with pytest.raises(QueryError) as caught, user_query_errors(["rewards"]):
+        con.sql(sql).fetchall()
+    error = caught.value
+    assert isinstance(error, SprawlError)  # what the CLI prints as `sprawl: error: ...`
+    assert error.duckdb_error == duckdb_error
+    assert said in error.message
+    assert error.hint
+    assert "\n" not in str(error)
+    assert "LINE 1" not in str(error)  # DuckDB's caret display needs several lines: left out
+
+
+def test_a_missing_view_names_the_views_there_are(con):
+    with (
+        pytest.raises(QueryError, match="views in this archive: metrics, rewards"),
+        user_query_errors(["metrics", "rewards"]),
+    ):
+        con.sql("SELECT * FROM versions")
+
+
+def test_queries_that_succeed_pass_through(con):
+    with user_query_errors(["rewards"]):
+        assert con.sql("SELECT sum(value) FROM rewards").fetchall() == [(1.0,)]
+
+
+async def test_an_unreachable_log_fails_after_a_bounded_attempt():
+    # A bound socket that never listens: connections to its port are refused, and no other
+    # process can take the port while the test holds it.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = f"nats://127.0.0.1:{closed.getsockname()[1]}"
+        nats_settings = NatsSettings(url=url, connect_timeout_s=1.0, reconnect_wait_s=0.05)
+        # The guard only turns a regression (retrying forever) into a failure instead of a hung run.
+        with pytest.raises(LogUnreachable) as caught:
+            await asyncio.wait_for(check_log_reachable(nats_settings, attempts=3), timeout=120)
+    error = caught.value
+    assert isinstance(error, SprawlError)
+    assert url in error.message and "3 connection attempts" in error.message
+    assert "refused" in error.message.lower() or "connect call failed" in error.message.lower()
+    assert "sprawl stack status" in error.hint
+    assert "\n" not in str(error)
+
+
+async def test_fewer_than_two_attempts_is_refused():
+    with pytest.raises(ValueError, match="at least 2"):
+        await check_log_reachable(NatsSettings(), attempts=1)
+
+
+@pytest.mark.integration
+async def test_a_reachable_log_passes(settings):
+    await check_log_reachable(settings.nats)
