@@ -3,26 +3,49 @@
 from __future__ import annotations
 
 import duckdb
+import msgspec.inspect as mi
 
 from pipeline.blobstore import S3BlobStore, open_blob_store
 from pipeline.config import S3BlobSettings, SprawlSettings
 from pipeline.errors import SprawlError
 from pipeline.sql import open_duckdb
+from schemas import (
+    DeadLetter,
+    Event,
+    GroupDropped,
+    IslandHeartbeat,
+    PolicyVersion,
+    PromptGroup,
+    Reward,
+    TrainerCheckpoint,
+    TrainerLease,
+    TrainerMetrics,
+    Trajectory,
+)
+from schemas.archive import (
+    ARCHIVE_ROOT,
+    JSON_TEXT_FIELDS,
+    ROW_COLUMNS,
+    UNDECODABLE,
+    ArchiveKey,
+    parquet_glob,
+    run_prefix,
+)
 
-ARCHIVE_PREFIX = "archive"
-VIEWS = {
-    "versions": "policy_version.v1",
-    "prompts": "prompt_group.v1",
-    "trajectories": "trajectory.v1",
-    "rewards": "reward.v1",
-    "islands": "island_heartbeat.v2",
-    "metrics": "trainer_metrics.v1",
-    "dead_letters": "dead_letter.v1",
-    "checkpoints": "trainer_checkpoint.v1",
-    "dropped_groups": "group_dropped.v1",
-    "leases": "trainer_lease.v1",
-    "undecodable": "undecodable",
+_VIEW_EVENTS: dict[str, type[Event]] = {
+    "versions": PolicyVersion,
+    "prompts": PromptGroup,
+    "trajectories": Trajectory,
+    "rewards": Reward,
+    "islands": IslandHeartbeat,
+    "metrics": TrainerMetrics,
+    "dead_letters": DeadLetter,
+    "checkpoints": TrainerCheckpoint,
+    "dropped_groups": GroupDropped,
+    "leases": TrainerLease,
 }
+VIEWS: dict[str, str] = {name: cls.type_tag() for name, cls in _VIEW_EVENTS.items()} | {"undecodable": UNDECODABLE}
+"""View name -> the archived event type it reads."""
 
 
 class ArchiveMissing(SprawlError):
@@ -31,19 +54,22 @@ class ArchiveMissing(SprawlError):
 
 def archived_types(settings: SprawlSettings, run_id: str) -> set[str]:
     blobs = open_blob_store(settings.blobs)
-    prefix = f"{ARCHIVE_PREFIX}/run_id={run_id}/event_type="
-    return {key[len(prefix) :].split("/", 1)[0] for key in blobs.list_keys(prefix)}
+    return {key.event_type for key in ArchiveKey.parse_listing(blobs.list_keys(run_prefix(run_id)))}
 
 
 def open_archive(settings: SprawlSettings, run_id: str | None = None) -> tuple[duckdb.DuckDBPyConnection, list[str]]:
-    """A DuckDB connection with one view per archived event type; returns the view names."""
+    """A DuckDB connection with one view per event type; returns the names of those with archived files.
+
+    A type the run has no file of yet (no dead letters, say) still gets its view, empty and with the
+    columns its files would have, so a canned audit answers with zero rows instead of failing.
+    """
     run_id = run_id or settings.run_id
     if not isinstance(settings.blobs, S3BlobSettings):
         raise ArchiveMissing("SQL audits read the archive from S3", hint="configure an s3 blob store")
     present = archived_types(settings, run_id)
     if not present:
         raise ArchiveMissing(
-            f"run {run_id} has no archive in s3://{settings.blobs.bucket}/{ARCHIVE_PREFIX}/",
+            f"run {run_id} has no archive in s3://{settings.blobs.bucket}/{ARCHIVE_ROOT}/",
             hint="start the archiver (`sprawl archiver`, part of `just up`) and wait one flush",
         )
     con = open_duckdb(settings)
@@ -51,10 +77,72 @@ def open_archive(settings: SprawlSettings, run_id: str | None = None) -> tuple[d
     names = []
     for view, event_type in VIEWS.items():
         if event_type in present:
-            path = f"s3://{bucket}/{ARCHIVE_PREFIX}/run_id={run_id}/event_type={event_type}/*/*.parquet"
+            path = f"s3://{bucket}/{parquet_glob(run_id, event_type)}"
             con.execute(f"CREATE VIEW {view} AS SELECT * FROM read_parquet('{path}', union_by_name = true)")
             names.append(view)
+        else:
+            con.execute(f"CREATE VIEW {view} AS {empty_view_sql(_VIEW_EVENTS.get(view))}")
     return con, names
+
+
+# ---------------------------------------------------------------- the columns of a type with no file yet
+
+_ROW_SQL_TYPES = {
+    "stream": "VARCHAR",
+    "seq": "BIGINT",
+    "subject": "VARCHAR",
+    "published_at": "TIMESTAMPTZ",
+    "payload": "BLOB",
+}
+# The archiver's columns on every row (a KeyError here: give a new one its type), then the hive
+# partitions DuckDB reads from the path (`date` as a DATE: DuckDB casts partition values it recognizes).
+_ROW_TYPES = {name: _ROW_SQL_TYPES[name] for name in ROW_COLUMNS} | {
+    "event_type": "VARCHAR",
+    "run_id": "VARCHAR",
+    "date": "DATE",
+}
+
+
+def empty_view_sql(event: type[Event] | None) -> str:
+    """A SELECT with no rows and the columns the archiver writes for `event` (None: undecodable rows)."""
+    columns: dict[str, str] = {}
+    if event is not None:
+        info = mi.type_info(event)
+        assert isinstance(info, mi.StructType)
+        columns |= {f.encode_name: _sql_type(f.type, f.encode_name) for f in info.fields}
+    else:
+        columns["reason"] = "VARCHAR"
+    columns |= _ROW_TYPES  # the archiver's columns win over an event field of the same name
+    rendered = ", ".join(f'CAST(NULL AS {sql}) AS "{name}"' for name, sql in columns.items())
+    return f"SELECT * FROM (SELECT {rendered}) WHERE false"
+
+
+def _sql_type(t: mi.Type, name: str = "") -> str:
+    """The DuckDB type of a field as the archiver writes it (see `_columns` in workers/archiver.py)."""
+    if name in JSON_TEXT_FIELDS:
+        return "VARCHAR"
+    match t:
+        case mi.UnionType(types=types):
+            present = [u for u in types if not isinstance(u, mi.NoneType)]
+            return _sql_type(present[0], name) if len(present) == 1 else "VARCHAR"
+        case mi.BoolType():
+            return "BOOLEAN"
+        case mi.IntType():
+            return "BIGINT"
+        case mi.FloatType():
+            return "DOUBLE"
+        case mi.DateTimeType():
+            return "TIMESTAMPTZ"
+        case mi.BytesType():
+            return "BLOB"
+        case mi.ListType(item_type=item) | mi.VarTupleType(item_type=item) | mi.SetType(item_type=item):
+            return f"{_sql_type(item)}[]"
+        case mi.DictType(value_type=value):
+            return f"MAP(VARCHAR, {_sql_type(value)})"
+        case mi.StructType(fields=fields, array_like=False) if fields:
+            members = ", ".join(f'"{f.encode_name}" {_sql_type(f.type, f.encode_name)}' for f in fields)
+            return f"STRUCT({members})"
+    return "VARCHAR"  # strings, literals, and anything the archiver stores as text
 
 
 def query(con: duckdb.DuckDBPyConnection, views: list[str], sql: str) -> duckdb.DuckDBPyRelation:
@@ -114,6 +202,7 @@ def lineage_sql(con: duckdb.DuckDBPyConnection, views: list[str], version: int) 
     if "rewards" in views:
         joins.append("LEFT JOIN rewards r ON r.trajectory_id = m.trajectory_id")
         select += ["r.value AS reward", "r.error_class"]
+    # Members are `schemas.lineage.LineageMember` arrays: [trajectory_id, trajectory_seq, reward_seq].
     return f"""
         WITH lineage AS (SELECT unnest(groups) AS g FROM read_json('{row[0]}')),
              m AS (SELECT g.group_id AS group_id, unnest(g.members) AS member FROM lineage),

@@ -1,10 +1,9 @@
-"""Subject names: `rl.<run>.<kind>[.<qualifier>]`, lowercase, one place that builds them."""
+"""Which subject each event travels on: `rl.<run>.<kind>[.<qualifier>]`, built from the grammar in
+`pipeline/topology.py` (the same data the streams are declared from)."""
 
 from __future__ import annotations
 
-import functools
-import re
-
+from pipeline.topology import Kind, policy_filter, rewards_filter, run_subject, token, trajectories_filter
 from schemas import (
     ClaimCheck,
     DeadLetter,
@@ -20,65 +19,68 @@ from schemas import (
     Trajectory,
 )
 
-_TOKEN = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+# Filters and the token check live with the topology; re-exported for the modules that import them here.
+__all__ = [
+    "group_dropped_subject",
+    "policy_filter",
+    "policy_subject",
+    "prompts_subject",
+    "rewards_filter",
+    "subject_for",
+    "token",
+    "trainer_checkpoint_subject",
+    "trainer_lease_subject",
+    "trajectories_filter",
+]
 
 
-@functools.lru_cache(maxsize=4096)  # run and group ids repeat; append is on the hot path
-def token(value: str, what: str) -> str:
-    """Validate one subject token; ids become tokens, so a dot or space would split or break a subject."""
-    lowered = value.lower()
-    if not _TOKEN.match(lowered):
-        raise ValueError(
-            f"{what} {value!r} cannot be a subject token: use letters, digits, '_' or '-' "
-            "(no dots, spaces or wildcards)"
-        )
-    return lowered
+def _run(run_id: str) -> str:
+    return token(run_id, "run_id")
 
 
 def policy_subject(run_id: str, version: int) -> str:
-    return f"rl.{token(run_id, 'run_id')}.policy.v{version}"
-
-
-def policy_filter(run_id: str) -> str:
-    """All versions of a run's chain: the fence for create-only version appends."""
-    return f"rl.{token(run_id, 'run_id')}.policy.*"
+    return run_subject(_run(run_id), Kind.POLICY, f"v{version}")
 
 
 def prompts_subject(run_id: str) -> str:
-    return f"rl.{token(run_id, 'run_id')}.prompts"
+    return run_subject(_run(run_id), Kind.PROMPTS)
 
 
-def trajectories_filter(run_id: str) -> str:
-    return f"rl.{token(run_id, 'run_id')}.traj.>"
+def trainer_checkpoint_subject(run_id: str) -> str:
+    return run_subject(_run(run_id), Kind.TRAINER, "checkpoint")
 
 
-def rewards_filter(run_id: str) -> str:
-    return f"rl.{token(run_id, 'run_id')}.reward.>"
+def trainer_lease_subject(run_id: str) -> str:
+    return run_subject(_run(run_id), Kind.TRAINER, "lease")
+
+
+def group_dropped_subject(run_id: str) -> str:
+    return run_subject(_run(run_id), Kind.TRAINER, "dropped")
 
 
 def subject_for(event: Event) -> str:
-    run = token(event.run_id, "run_id")
+    run = _run(event.run_id)
     match event:
         case PolicyVersion():
             return policy_subject(run, event.version)
         case PromptGroup():
             return prompts_subject(run)
         case Trajectory():
-            return f"rl.{run}.traj.{token(event.group_id, 'group_id')}"
+            return run_subject(run, Kind.TRAJECTORIES, token(event.group_id, "group_id"))
         case Reward():
-            return f"rl.{run}.reward.{token(event.group_id, 'group_id')}"
+            return run_subject(run, Kind.REWARDS, token(event.group_id, "group_id"))
         case IslandHeartbeat():
-            return f"rl.{run}.heartbeat.{token(event.island.island_id, 'island_id')}"
+            return run_subject(run, Kind.HEARTBEATS, token(event.island.island_id, "island_id"))
         case TrainerMetrics():
-            return f"rl.{run}.metrics.trainer"
+            return run_subject(run, Kind.METRICS, "trainer")
         case DeadLetter():
-            return f"rl.{run}.deadletter.{token(event.stream, 'stream')}"
+            return run_subject(run, Kind.DEAD_LETTERS, token(event.stream, "stream"))
         case TrainerCheckpoint():
-            return f"rl.{run}.trainer.checkpoint"
+            return trainer_checkpoint_subject(run)
         case GroupDropped():
-            return f"rl.{run}.trainer.dropped"
+            return group_dropped_subject(run)
         case TrainerLease():
-            return f"rl.{run}.trainer.lease"
+            return trainer_lease_subject(run)
         case ClaimCheck():
             raise ValueError("a claim check travels on the subject of the event it stands in for")
     raise ValueError(f"no subject is defined for event type {type(event).type_tag()}")

@@ -11,10 +11,9 @@ import nats.js.errors
 
 from pipeline.errors import SprawlError
 from pipeline.eventlog import EventLog
-from pipeline.subjects import policy_filter, policy_subject
+from pipeline.subjects import policy_subject
+from pipeline.topology import POLICY, policy_filter
 from schemas import PolicyVersion
-
-POLICY_STREAM = "POLICY"
 
 
 class VersionNotAvailable(SprawlError):
@@ -34,19 +33,19 @@ class ChainHead:
 
 async def chain_head(event_log: EventLog, run_id: str) -> ChainHead | None:
     """The newest version of a run's chain and its stream sequence, or None for an empty chain."""
-    info = await event_log.js.stream_info(POLICY_STREAM, subjects_filter=policy_filter(run_id))
+    info = await event_log.js.stream_info(POLICY.name, subjects_filter=policy_filter(run_id))
     subjects = info.state.subjects or {}
     versions = [int(s.rsplit(".v", 1)[1]) for s in subjects if s.rsplit(".", 1)[-1][1:].isdigit()]
     if not versions:
         return None
     newest = max(versions)
-    msg = await event_log.js.get_last_msg(POLICY_STREAM, policy_subject(run_id, newest))
+    msg = await event_log.js.get_last_msg(POLICY.name, policy_subject(run_id, newest))
     return ChainHead(version=newest, stream_seq=msg.seq)
 
 
 async def fetch_version(event_log: EventLog, run_id: str, version: int) -> PolicyVersion | None:
     try:
-        msg = await event_log.js.get_last_msg(POLICY_STREAM, policy_subject(run_id, version))
+        msg = await event_log.js.get_last_msg(POLICY.name, policy_subject(run_id, version))
     except nats.js.errors.NotFoundError:
         return None
     event = await event_log.resolve(msg.data)

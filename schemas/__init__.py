@@ -1,5 +1,6 @@
-"""Event contracts of sprawl: msgspec Structs are the source of truth."""
+"""Event contracts and cross-process layouts of sprawl: msgspec Structs are the source of truth."""
 
+from schemas.archive import ArchiveKey
 from schemas.codec import EventDecodeError, decode_event, encode_event, known_event_types
 from schemas.envelope import Event
 from schemas.events import (
@@ -23,8 +24,10 @@ from schemas.events import (
     VersionSpan,
     ViewVersion,
 )
+from schemas.lineage import Lineage, LineageDecodeError, LineageGroup, LineageMember, decode_lineage, encode_lineage
 
 __all__ = [
+    "ArchiveKey",
     "BlobPointer",
     "ClaimCheck",
     "DeadLetter",
@@ -33,6 +36,10 @@ __all__ = [
     "GroupDropped",
     "IslandHeartbeat",
     "IslandIdentity",
+    "Lineage",
+    "LineageDecodeError",
+    "LineageGroup",
+    "LineageMember",
     "PolicyVersion",
     "PromptGroup",
     "Reward",
@@ -47,6 +54,8 @@ __all__ = [
     "VersionSpan",
     "ViewVersion",
     "decode_event",
+    "decode_lineage",
     "encode_event",
+    "encode_lineage",
     "known_event_types",
 ]

@@ -1,4 +1,4 @@
-"""Export the JSON Schema of every event type to `schemas/json/` (committed, checked by a test)."""
+"""Export the JSON Schema of every event type and every layout to `schemas/json/` (committed, checked by a test)."""
 
 from __future__ import annotations
 
@@ -7,19 +7,28 @@ from pathlib import Path
 
 import msgspec
 
+from schemas.archive import ArchiveKey
 from schemas.events import CURRENT_EVENTS
+from schemas.lineage import Lineage
 from schemas.upcasters import LEGACY_EVENTS
 
 JSON_DIR = Path(__file__).parent / "json"
 
+LAYOUTS: dict[str, type[msgspec.Struct]] = {
+    "lineage.v1": Lineage,
+    "archive_key.v1": ArchiveKey,
+}
+"""Layouts that cross processes without being events (blobs, object keys), by file name. Named like
+event types so a breaking change gets a new `.vN` beside the old one."""
+
 
 def rendered_schemas() -> dict[str, str]:
-    """File name -> file text for every current and legacy event type."""
-    files = {}
-    for cls in CURRENT_EVENTS + LEGACY_EVENTS:
-        schema = msgspec.json.schema(cls)
-        files[f"{cls.type_tag()}.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
-    return files
+    """File name -> file text for every current and legacy event type and every layout."""
+    named = {cls.type_tag(): cls for cls in CURRENT_EVENTS + LEGACY_EVENTS} | LAYOUTS
+    return {
+        f"{name}.json": json.dumps(msgspec.json.schema(cls), indent=2, sort_keys=True) + "\n"
+        for name, cls in named.items()
+    }
 
 
 def write_schemas(directory: Path = JSON_DIR) -> list[Path]:

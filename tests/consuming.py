@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pipeline.consumer import Consumer
 from pipeline.eventlog import EventLog
 from pipeline.replay import replay
+from pipeline.topology import DEADLETTER
 from schemas import DeadLetter
 
 
@@ -31,7 +32,7 @@ async def run_until(consumer: Consumer, done: Callable[[], bool], timeout_s: flo
 
 async def dead_letters(event_log: EventLog, run_id: str) -> list[DeadLetter]:
     found = []
-    async for item in replay(event_log, "DEADLETTER", f"rl.{run_id}.deadletter.>"):
+    async for item in replay(event_log, DEADLETTER.name, DEADLETTER.run_filter(run_id)):
         assert isinstance(item.event, DeadLetter)
         found.append(item.event)
     return found

@@ -22,6 +22,7 @@ from pipeline.config import SprawlSettings, load_settings
 from pipeline.consumer import Consumer, Delivery
 from pipeline.eventlog import EventLog
 from pipeline.logs import configure_logging
+from pipeline.topology import ConsumerRole, consumer_for
 
 
 def _append_line(path: Path, line: str) -> None:
@@ -57,10 +58,12 @@ async def main() -> None:
     configure_logging(settings.run_id, fmt="json", level="WARNING")
     event_log = await EventLog.connect(settings, worker="ledger-consumer")
     blobs = S3BlobStore(settings.blobs)
+    # It stands in for a reward worker, so it binds the reward workers' consumer.
+    rewards = consumer_for(settings.run_id, ConsumerRole.REWARDS)
     consumer = Consumer(
         event_log,
-        "TRAJECTORIES",
-        f"{settings.run_id}-rewards",
+        rewards.stream.name,
+        rewards.name,
         ledger_handler(blobs, args.workdir, args.hang_on),
         fetch_timeout_s=0.2,
     )

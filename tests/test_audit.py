@@ -12,9 +12,11 @@ import sys
 import numpy as np
 import pytest
 
-from pipeline.audit import AUDITS, ArchiveMissing, lineage_sql, open_archive, query
+from pipeline.audit import _VIEW_EVENTS, AUDITS, ArchiveMissing, empty_view_sql, lineage_sql, open_archive, query
 from pipeline.errors import SprawlError
+from pipeline.topology import STREAMS, TRAJECTORIES
 from schemas import DeadLetter, IslandHeartbeat, IslandIdentity, Reward
+from schemas.archive import parquet_glob
 from tests.trainer_data import make_groups, publish_groups, write_initial_model
 from workers.archiver import Archiver, ArchiverSettings, ArchiveSection, drain_once
 from workers.trainer.loop import Trainer
@@ -31,9 +33,9 @@ def model_dir(tmp_path_factory):
 
 async def _stream_counts(event_log, run_id) -> dict[str, int]:
     counts = {}
-    for stream in ("POLICY", "PROMPTS", "TRAJECTORIES", "REWARDS", "METRICS", "DEADLETTER", "TRAINER"):
-        info = await event_log.js.stream_info(stream, subjects_filter=f"rl.{run_id}.>")
-        counts[stream.lower()] = sum((info.state.subjects or {}).values())
+    for stream in STREAMS:
+        info = await event_log.js.stream_info(stream.name, subjects_filter=stream.run_filter(run_id))
+        counts[stream.label] = sum((info.state.subjects or {}).values())
     return counts
 
 
@@ -75,7 +77,7 @@ async def _a_run(event_log, settings, model_dir):
             run_id=settings.run_id,
             reason="unknown event type 'mystery.v1'",
             error_class="unknown_type",
-            stream="trajectories",
+            stream=TRAJECTORIES.label,
             consumer="c",
             original_subject=f"rl.{settings.run_id}.traj.g0",
             original_seq=1,
@@ -102,9 +104,10 @@ async def test_archive_sql_audits_and_report(event_log, settings, model_dir, tmp
     for stream, n in counts.items():
         if n == 0:
             continue
-        rows = con.sql(f"""SELECT count(*), count(DISTINCT seq) FROM read_parquet(
-            's3://{settings.blobs.bucket}/archive/run_id={settings.run_id}/*/*/{stream}-*.parquet',
-            union_by_name = true)""").fetchone()
+        files = f"s3://{settings.blobs.bucket}/{parquet_glob(settings.run_id, stream=stream)}"
+        rows = con.sql(
+            f"SELECT count(*), count(DISTINCT seq) FROM read_parquet('{files}', union_by_name = true)"
+        ).fetchone()
         assert rows == (n, n), stream
     assert con.sql("SELECT count(*) FROM trajectories").fetchone()[0] == 16
     assert con.sql("SELECT reason FROM undecodable").fetchone()[0].startswith("malformed")
@@ -114,6 +117,11 @@ async def test_archive_sql_audits_and_report(event_log, settings, model_dir, tmp
     assert {row[1] for row in kl} == {"bf16", "fp8_e4m3"}
     lineage = query(con, views, lineage_sql(con, views, 2)).fetchall()
     assert len(lineage) == 8 and all(row[3] is not None for row in lineage)  # every member joined to its island
+    for view in views:  # a view with no file yet has the columns its first file will bring
+        if view in _VIEW_EVENTS:
+            real = {row[0] for row in con.sql(f"DESCRIBE {view}").fetchall()}
+            empty = {row[0] for row in con.sql(f"DESCRIBE {empty_view_sql(_VIEW_EVENTS[view])}").fetchall()}
+            assert real == empty, (view, real ^ empty)
     with pytest.raises(SprawlError, match="views in this archive"):
         query(con, views, "SELECT * FROM nonexistent_view")
     with pytest.raises(SprawlError, match="DESCRIBE"):

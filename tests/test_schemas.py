@@ -1,3 +1,4 @@
+import fnmatch
 import json
 from datetime import UTC, datetime
 
@@ -7,10 +8,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schemas import (
+    ArchiveKey,
     BlobPointer,
     EventDecodeError,
     IslandHeartbeat,
     IslandIdentity,
+    Lineage,
+    LineageDecodeError,
+    LineageGroup,
+    LineageMember,
     PolicyVersion,
     Reward,
     TensorDigest,
@@ -18,11 +24,15 @@ from schemas import (
     VersionSpan,
     ViewVersion,
     decode_event,
+    decode_lineage,
     encode_event,
+    encode_lineage,
 )
+from schemas.archive import UNKNOWN_DATE, archive_date, parquet_glob, run_prefix
 from schemas.events import CURRENT_EVENTS
-from schemas.export import JSON_DIR, rendered_schemas
-from schemas.upcasters import IslandHeartbeatV1
+from schemas.export import JSON_DIR, LAYOUTS, rendered_schemas
+from schemas.lineage import lineage_key
+from schemas.upcasters import LEGACY_EVENTS, IslandHeartbeatV1
 
 ISLAND = IslandIdentity(island_id="i0", accelerator="cpu", view="bf16", engine="torch")
 
@@ -31,6 +41,12 @@ def test_committed_json_schemas_are_fresh():
     expected = rendered_schemas()
     on_disk = {p.name: p.read_text() for p in JSON_DIR.glob("*.json")}
     assert on_disk == expected, "schemas/json is stale: run `python -m schemas` and commit the result"
+
+
+def test_every_event_type_and_layout_has_its_own_schema_file():
+    names = set(rendered_schemas())
+    assert {f"{c.type_tag()}.json" for c in CURRENT_EVENTS} | {f"{n}.json" for n in LAYOUTS} <= names
+    assert len(names) == len(CURRENT_EVENTS) + len(LEGACY_EVENTS) + len(LAYOUTS)  # no layout shadows an event
 
 
 def test_every_event_type_has_a_versioned_tag_and_matching_schema_version():
@@ -190,3 +206,108 @@ def test_unknown_fields_from_newer_producers_are_ignored():
     )
     data["added_later"] = {"x": 1}
     assert isinstance(decode_event(json.dumps(data).encode()), Reward)
+
+
+# ---------------------------------------------------------------- layouts: lineage and archive keys
+
+LINEAGE = Lineage(
+    version=7,
+    groups=[
+        LineageGroup(group_id="g0", members=[LineageMember("g0-0", 11, 21), LineageMember("g0-1", 12, 22)]),
+        LineageGroup(group_id="g1", members=[LineageMember("g1-0", 13, 23)]),
+    ],
+)
+
+
+def test_lineage_round_trip_and_member_arrays():
+    assert decode_lineage(encode_lineage(LINEAGE)) == LINEAGE
+    assert json.loads(encode_lineage(LINEAGE))["groups"][0]["members"][1] == ["g0-1", 12, 22]
+    assert LINEAGE.trajectory_ids() == ["g0-0", "g0-1", "g1-0"]
+
+
+def test_lineage_blobs_the_trainer_wrote_before_the_schema_still_decode():
+    # Exactly what the trainer wrote by hand (json.dumps of plain dicts and lists).
+    written = json.dumps(
+        {
+            "version": 7,
+            "groups": [
+                {"group_id": "g0", "members": [["g0-0", 11, 21], ["g0-1", 12, 22]]},
+                {"group_id": "g1", "members": [["g1-0", 13, 23]]},
+            ],
+        }
+    ).encode()
+    assert decode_lineage(written) == LINEAGE
+
+
+@pytest.mark.parametrize(
+    "blob", [b"", b"{}", b'{"version": 1, "groups": [{"group_id": "g", "members": [["t", 1]]}]}', b"\x00"]
+)
+def test_a_blob_that_is_not_a_lineage_is_refused(blob):
+    with pytest.raises(LineageDecodeError, match="not a lineage blob"):
+        decode_lineage(blob)
+
+
+def test_lineage_key_sorts_by_version():
+    assert lineage_key("r1", 7) == "runs/r1/lineage/v00000007.json"
+    assert sorted([lineage_key("r1", 10), lineage_key("r1", 9)]) == [lineage_key("r1", 9), lineage_key("r1", 10)]
+
+
+KEY = ArchiveKey(
+    run_id="r1", event_type="trajectory.v1", date="2026-11-30", stream="trajectories", first_seq=3, last_seq=1200
+)
+
+
+def test_archive_key_round_trip():
+    key = KEY.to_key()
+    assert (
+        key
+        == "archive/run_id=r1/event_type=trajectory.v1/date=2026-11-30/trajectories-000000000003-000000001200.parquet"
+    )
+    assert ArchiveKey.parse(key) == KEY
+    assert key.startswith(run_prefix("r1"))
+    unknown = msgspec.structs.replace(KEY, event_type="undecodable", date=UNKNOWN_DATE, stream="deadletter")
+    assert ArchiveKey.parse(unknown.to_key()) == unknown
+
+
+@given(
+    run=st.from_regex(r"[a-z0-9][a-z0-9_-]{0,20}", fullmatch=True),
+    stream=st.from_regex(r"[a-z_]{1,12}", fullmatch=True),
+    first=st.integers(1, 10**12 - 1),
+    length=st.integers(0, 10**6),
+)
+def test_archive_key_round_trip_property(run, stream, first, length):
+    key = ArchiveKey(
+        run_id=run,
+        event_type="reward.v1",
+        date="2026-01-02",
+        stream=stream,
+        first_seq=first,
+        last_seq=min(first + length, 10**12 - 1),
+    )
+    assert ArchiveKey.parse(key.to_key()) == key
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "archive/run_id=r1/event_type=reward.v1/date=2026-01-02/rewards-1-2.parquet",  # unpadded sequences
+        "archive/run_id=r1/event_type=reward.v1/rewards-000000000001-000000000002.parquet",  # no date
+        "archive/run_id=r1/notes.txt",
+        "runs/r1/lineage/v00000001.json",
+    ],
+)
+def test_keys_that_are_not_archive_files_are_refused_or_skipped(key):
+    with pytest.raises(ValueError, match="not an archive file key"):
+        ArchiveKey.parse(key)
+    assert ArchiveKey.parse_listing([key, KEY.to_key()]) == [KEY]
+
+
+def test_archive_dates_are_utc_days_and_globs_match_the_keys():
+    from datetime import timedelta, timezone
+
+    late_in_tokyo = datetime(2026, 1, 2, 8, 0, tzinfo=timezone(timedelta(hours=9)))
+    assert archive_date(late_in_tokyo) == "2026-01-01"
+    assert archive_date(None) == UNKNOWN_DATE
+    assert fnmatch.fnmatchcase(KEY.to_key(), parquet_glob("r1"))
+    assert fnmatch.fnmatchcase(KEY.to_key(), parquet_glob("r1", "trajectory.v1", "trajectories"))
+    assert not fnmatch.fnmatchcase(KEY.to_key(), parquet_glob("r1", stream="rewards"))

@@ -1,7 +1,7 @@
 """The archiver: every event of the run, as Parquet on S3, for SQL audits.
 
-One durable consumer per stream. Messages are buffered and flushed by count and by time into
-`archive/run_id=<run>/event_type=<type>/date=<day>/<stream>-<first seq>-<last seq>.parquet`, and acked
+One durable consumer per stream. Messages are buffered and flushed by count and by time into one
+Parquet file per event type and day (the key layout is `schemas.archive.ArchiveKey`), and acked
 only after the PUT. On start each stream's archived high-water mark is read back from the file
 names, and redelivered messages at or below it are acked without being written again: a crash
 between PUT and ack duplicates nothing. Rows keep the stream, sequence, subject, envelope, the
@@ -15,29 +15,25 @@ import asyncio
 import contextlib
 import io
 import json
-import re
 import time
 from collections import defaultdict
-from datetime import UTC, datetime
+from datetime import datetime
 
 import msgspec
 import nats.errors
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from infra.streams import STREAMS
 from pipeline.blobstore import BlobStore, open_blob_store
 from pipeline.config import Section, SprawlSettings
 from pipeline.errors import PoisonEvent
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
+from pipeline.topology import STREAMS, ConsumerRole, Stream, consumer_for
+from schemas.archive import JSON_TEXT_FIELDS, UNDECODABLE, ArchiveKey, archive_date, run_prefix
 from workers.lifecycle import run_connected
 
 log = get_logger(__name__)
-
-ARCHIVE_PREFIX = "archive"
-_JSON_FIELDS = ("per_group", "components", "details", "kernels", "headers", "metadata", "tensors")
-_FILE = re.compile(r"/(?P<stream>[a-z_]+)-(?P<first>\d{12})-(?P<last>\d{12})\.parquet$")
 
 
 class ArchiveSection(Section):
@@ -54,27 +50,18 @@ class ArchiverSettings(SprawlSettings):
     """Flush policy."""
 
 
-def archive_key(run_id: str, event_type: str, day: str, stream: str, first: int, last: int) -> str:
-    return (
-        f"{ARCHIVE_PREFIX}/run_id={run_id}/event_type={event_type}/date={day}/"
-        f"{stream.lower()}-{first:012d}-{last:012d}.parquet"
-    )
-
-
 def archived_high_water(blobs: BlobStore, run_id: str) -> dict[str, int]:
-    """The highest stream sequence already archived, per stream, read from the file names."""
+    """The highest stream sequence already archived, per stream label, read from the file names."""
     marks: dict[str, int] = defaultdict(int)
-    for key in blobs.list_keys(f"{ARCHIVE_PREFIX}/run_id={run_id}/"):
-        match = _FILE.search(key)
-        if match:
-            marks[match["stream"]] = max(marks[match["stream"]], int(match["last"]))
+    for key in ArchiveKey.parse_listing(blobs.list_keys(run_prefix(run_id))):
+        marks[key.stream] = max(marks[key.stream], key.last_seq)
     return marks
 
 
-def _row(stream: str, msg, event) -> dict:
+def _row(stream: Stream, msg, event) -> dict:
     meta = msg.metadata
     row = {
-        "stream": stream.lower(),
+        "stream": stream.label,
         "seq": meta.sequence.stream,
         "subject": msg.subject,
         "published_at": meta.timestamp,
@@ -90,7 +77,7 @@ def _row(stream: str, msg, event) -> dict:
 def _columns(value, key: str = ""):
     """Maps with open-ended keys become JSON text (not a struct per key); empty structs become null
     (Parquet has no empty struct)."""
-    if key in _JSON_FIELDS and isinstance(value, dict | list):
+    if key in JSON_TEXT_FIELDS and isinstance(value, dict | list):
         return json.dumps(value, sort_keys=True)
     if isinstance(value, dict):
         if not value:
@@ -107,7 +94,13 @@ def _table(rows: list[dict]) -> pa.Table:
 
 class StreamArchiver:
     def __init__(
-        self, event_log: EventLog, blobs: BlobStore, run_id: str, stream: str, settings: ArchiveSection, high_water: int
+        self,
+        event_log: EventLog,
+        blobs: BlobStore,
+        run_id: str,
+        stream: Stream,
+        settings: ArchiveSection,
+        high_water: int,
     ):
         self.log, self.blobs, self.run_id, self.stream, self.settings = event_log, blobs, run_id, stream, settings
         self.high_water = high_water
@@ -117,8 +110,8 @@ class StreamArchiver:
         self.skipped = 0
 
     async def run(self, stop: asyncio.Event) -> None:
-        durable = f"{self.run_id}-archiver-{self.stream.lower()}"
-        sub = await self.log.js.pull_subscribe_bind(durable=durable, stream=self.stream)
+        consumer = consumer_for(self.run_id, ConsumerRole.ARCHIVER, self.stream)
+        sub = await self.log.js.pull_subscribe_bind(durable=consumer.name, stream=self.stream.name)
         try:
             while not stop.is_set():
                 try:
@@ -150,7 +143,7 @@ class StreamArchiver:
             event = await self.log.resolve(msg.data)
             row, event_type = _row(self.stream, msg, event), type(event).type_tag()
         except PoisonEvent as exc:
-            row, event_type = {**_row(self.stream, msg, None), "reason": exc.message}, "undecodable"
+            row, event_type = {**_row(self.stream, msg, None), "reason": exc.message}, UNDECODABLE
         if not self.buffer:
             self.oldest = time.monotonic()
         self.buffer.append((msg, row, event_type))
@@ -161,18 +154,21 @@ class StreamArchiver:
             return
         groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
         for _, row, event_type in self.buffer:
-            day = (
-                datetime.fromtimestamp(row["published_at"].timestamp(), UTC).strftime("%Y-%m-%d")
-                if hasattr(row["published_at"], "timestamp")
-                else "unknown"
-            )
-            groups[(event_type, day)].append(row)
+            published = row["published_at"]
+            groups[(event_type, archive_date(published if isinstance(published, datetime) else None))].append(row)
         for (event_type, day), rows in groups.items():
             table = await asyncio.to_thread(_table, rows)
             buffer = io.BytesIO()
             await asyncio.to_thread(pq.write_table, table, buffer, compression="zstd")
-            key = archive_key(self.run_id, event_type, day, self.stream, rows[0]["seq"], rows[-1]["seq"])
-            await asyncio.to_thread(self.blobs.put_bytes, buffer.getvalue(), key)
+            key = ArchiveKey(
+                run_id=self.run_id,
+                event_type=event_type,
+                date=day,
+                stream=self.stream.label,
+                first_seq=rows[0]["seq"],
+                last_seq=rows[-1]["seq"],
+            )
+            await asyncio.to_thread(self.blobs.put_bytes, buffer.getvalue(), key.to_key())
         for msg, _, _ in self.buffer:
             with contextlib.suppress(Exception):
                 await msg.ack()
@@ -194,11 +190,11 @@ class Archiver:
                 self.log,
                 self.blobs,
                 self.settings.run_id,
-                spec.name,
+                stream,
                 self.settings.archive,
-                marks.get(spec.name.lower(), 0),
+                marks.get(stream.label, 0),
             )
-            for spec in STREAMS
+            for stream in STREAMS
         ]
         await asyncio.gather(*(s.run(stop) for s in self.streams))
 
@@ -224,8 +220,9 @@ async def drain_once(settings: ArchiverSettings) -> int:
         while True:
             await asyncio.sleep(0.2)
             pending = 0
-            for spec in STREAMS:
-                info = await event_log.js.consumer_info(spec.name, f"{settings.run_id}-archiver-{spec.name.lower()}")
+            for stream in STREAMS:
+                consumer = consumer_for(settings.run_id, ConsumerRole.ARCHIVER, stream)
+                info = await event_log.js.consumer_info(stream.name, consumer.name)
                 pending += info.num_pending + info.num_ack_pending
             buffered = sum(len(s.buffer) for s in archiver.streams)
             if task.done():

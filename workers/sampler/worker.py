@@ -22,6 +22,7 @@ from pipeline.consumer import Consumer, Delivery
 from pipeline.errors import PoisonEvent
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
+from pipeline.topology import ConsumerRole, consumer_for
 from schemas import IslandHeartbeat, PromptGroup, Trajectory
 from workers.lifecycle import run_connected
 from workers.sampler.engines.base import GenerateRequest, Sample
@@ -155,8 +156,9 @@ class SamplerWorker:
         )
 
     async def _queue_pending(self) -> int | None:
+        prompts = consumer_for(self.settings.run_id, ConsumerRole.SAMPLERS)
         try:
-            info = await self.log.js.consumer_info("PROMPTS", f"{self.settings.run_id}-samplers")
+            info = await self.log.js.consumer_info(prompts.stream.name, prompts.name)
         except Exception:
             return None
         return info.num_pending
@@ -172,9 +174,8 @@ class SamplerWorker:
     async def run(self, stop: asyncio.Event) -> None:
         await self.island.start()
         beats = asyncio.create_task(self._heartbeats())
-        consumer = Consumer(
-            self.log, "PROMPTS", f"{self.settings.run_id}-samplers", self.handle, batch=1, fetch_timeout_s=0.5
-        )
+        prompts = consumer_for(self.settings.run_id, ConsumerRole.SAMPLERS)
+        consumer = Consumer(self.log, prompts.stream.name, prompts.name, self.handle, batch=1, fetch_timeout_s=0.5)
         try:
             await consumer.run(stop)  # returns after the group in hand is finished: SIGTERM drains
         finally:

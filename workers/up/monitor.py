@@ -8,7 +8,6 @@ S3, so a second `sprawl up` that continues a run sees the whole history, not jus
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import statistics
 import time
@@ -22,6 +21,19 @@ from pipeline.errors import PoisonEvent
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
 from pipeline.replay import tail_messages
+from pipeline.subjects import group_dropped_subject, prompts_subject
+from pipeline.topology import (
+    DEADLETTER,
+    METRICS,
+    POLICY,
+    PROMPTS,
+    REWARDS,
+    TRAINER,
+    TRAJECTORIES,
+    policy_filter,
+    rewards_filter,
+    trajectories_filter,
+)
 from schemas import (
     DeadLetter,
     GroupDropped,
@@ -31,6 +43,7 @@ from schemas import (
     Reward,
     TrainerMetrics,
     Trajectory,
+    decode_lineage,
 )
 
 log = get_logger(__name__)
@@ -151,8 +164,8 @@ class _RewardGlance(msgspec.Struct):
 
 
 _GLANCES = {
-    "TRAJECTORIES": msgspec.json.Decoder(_TrajectoryGlance),
-    "REWARDS": msgspec.json.Decoder(_RewardGlance),
+    TRAJECTORIES.name: msgspec.json.Decoder(_TrajectoryGlance),
+    REWARDS.name: msgspec.json.Decoder(_RewardGlance),
 }
 
 
@@ -168,13 +181,13 @@ class RunMonitor:
     def start(self) -> None:
         run = self.state.run_id
         feeds = {
-            "POLICY": f"rl.{run}.policy.*",
-            "METRICS": f"rl.{run}.>",
-            "TRAJECTORIES": f"rl.{run}.traj.>",
-            "REWARDS": f"rl.{run}.reward.>",
-            "PROMPTS": f"rl.{run}.prompts",
-            "DEADLETTER": f"rl.{run}.deadletter.>",
-            "TRAINER": f"rl.{run}.trainer.dropped",
+            POLICY.name: policy_filter(run),
+            METRICS.name: METRICS.run_filter(run),  # trainer metrics and island heartbeats
+            TRAJECTORIES.name: trajectories_filter(run),
+            REWARDS.name: rewards_filter(run),
+            PROMPTS.name: prompts_subject(run),
+            DEADLETTER.name: DEADLETTER.run_filter(run),
+            TRAINER.name: group_dropped_subject(run),  # not the checkpoints and leases
         }
         self._tasks = [
             asyncio.create_task(self._follow(stream, subject), name=f"monitor-{stream}")
@@ -257,8 +270,8 @@ class RunMonitor:
         groups: list[str] = []
         if event.lineage_uri:
             try:
-                lineage = json.loads(await asyncio.to_thread(self.blobs.get_bytes, event.lineage_uri))
-                groups = [g["group_id"] for g in lineage["groups"]]
+                lineage = decode_lineage(await asyncio.to_thread(self.blobs.get_bytes, event.lineage_uri))
+                groups = [g.group_id for g in lineage.groups]
             except Exception as exc:  # the summary says which versions it could not attribute
                 log.warning("lineage unreadable", version=event.version, error=repr(exc))
         at = event.produced_at.timestamp()

@@ -1,0 +1,61 @@
+"""The lineage blob of a policy version: which trajectories (and their rewards) trained into it.
+
+The trainer writes it (JSON, blob first) before the version event that points at it
+(`PolicyVersion.lineage_uri`); a restarted trainer reads it back to re-derive the version, and the
+audit joins it to the archive. Members are JSON arrays `[trajectory_id, trajectory_seq,
+reward_seq]`, the layout the trainer has always written, so every lineage blob ever written decodes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class LineageMember(msgspec.Struct, frozen=True, array_like=True):
+    """One trajectory of a group, encoded as a JSON array (a version lists thousands)."""
+
+    trajectory_id: str
+    trajectory_seq: int
+    """Stream sequence of the trajectory event on TRAJECTORIES."""
+    reward_seq: int
+    """Stream sequence of its reward event on REWARDS."""
+
+
+class LineageGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """One prompt group of the batch, with the members the update used."""
+
+    group_id: str
+    members: list[LineageMember]
+
+
+class Lineage(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """What version `version` was trained on, group by group, in batch order."""
+
+    version: int
+    groups: list[LineageGroup]
+
+    def trajectory_ids(self) -> list[str]:
+        return [m.trajectory_id for g in self.groups for m in g.members]
+
+
+class LineageDecodeError(ValueError):
+    """The bytes are not a lineage blob (truncated, another object, or a layout this code cannot read)."""
+
+
+_decoder = msgspec.json.Decoder(Lineage)
+
+
+def encode_lineage(lineage: Lineage) -> bytes:
+    return msgspec.json.encode(lineage)
+
+
+def decode_lineage(data: bytes) -> Lineage:
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too
+        raise LineageDecodeError(f"not a lineage blob: {exc}") from exc
+
+
+def lineage_key(run_id: str, version: int) -> str:
+    """Where the lineage of a version lives in the blob store (one object per version, never rewritten)."""
+    return f"runs/{run_id}/lineage/v{version:08d}.json"
