@@ -11,6 +11,8 @@ import numpy as np
 import torch
 import xxhash
 
+from pipeline.errors import SprawlError
+
 # dtype name (as in safetensors / patch headers) -> (torch dtype, unsigned view, signed torch view)
 _DTYPES: dict[str, tuple[torch.dtype, np.dtype, torch.dtype]] = {
     "BF16": (torch.bfloat16, np.dtype(np.uint16), torch.int16),
@@ -29,11 +31,20 @@ _DTYPES: dict[str, tuple[torch.dtype, np.dtype, torch.dtype]] = {
 _BY_TORCH = {spec[0]: name for name, spec in _DTYPES.items()}
 
 
+class UnsupportedDtype(SprawlError, ValueError):
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        super().__init__(
+            f"dtype {dtype} has no bit-level representation in sprawl (known: {', '.join(_DTYPES)})",
+            hint="cast the tensor to one of those in its view, or add the dtype to pipeline/bits.py",
+        )
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _BY_TORCH[dtype]
     except KeyError:
-        raise ValueError(f"dtype {dtype} has no bit-level representation in sprawl") from None
+        raise UnsupportedDtype(dtype) from None
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -3,8 +3,10 @@
 Contract with the handler:
 - return normally -> the event is acked (after the handler's side effects are durable);
 - raise PoisonEvent -> terminated and dead-lettered with the reason;
-- raise anything else -> nak'ed with the consumer's backoff, and dead-lettered
-  once the delivery count reaches max_deliver.
+- raise TransientError (retry later) -> nak'ed with the consumer's backoff (at least
+  its `retry_after_s`), and dead-lettered once the delivery count reaches max_deliver;
+- raise anything else -> treated the same way, but logged with its traceback: it is
+  a bug or an unexpected failure, and it must dead-letter rather than crash-loop.
 Events that cannot even be decoded (malformed, unknown type, failed
 validation, corrupt claim check) are dead-lettered without reaching the
 handler. Handlers must be idempotent on `event_id`: a crash between side
@@ -26,20 +28,15 @@ import nats.js.errors
 import structlog
 from nats.aio.msg import Msg
 
-from pipeline.errors import ConsumerNotDeclared, PoisonEvent
-from pipeline.eventlog import EventLog
+from pipeline.errors import ConsumerNotDeclared, LogUnavailable, PoisonEvent, SprawlError, TransientError
+from pipeline.eventlog import NO_ANSWER, EventLog
 from pipeline.logs import get_logger
 from pipeline.subjects import token
 from schemas import DeadLetter, Event
 
 log = get_logger(__name__)
 
-_TRANSIENT_NATS = (
-    TimeoutError,  # covers nats.errors.TimeoutError and the bare asyncio timeouts nats-py sometimes raises
-    nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.NoRespondersError,
-)
+_TRANSIENT_NATS = NO_ANSWER
 
 
 @dataclass
@@ -100,15 +97,20 @@ class Consumer:
         self._sub = None
 
     async def bind(self) -> None:
-        """Bind to the declared consumer; never creates one."""
+        """Bind to the declared consumer; never creates one.
+
+        ConsumerNotDeclared only on the server's "not found"; a server that does not answer raises
+        LogUnavailable (retry later), never "not declared"."""
         try:
             info = await self.log.js.consumer_info(self.stream, self.durable)
+            self._sub = await self.log.js.pull_subscribe_bind(durable=self.durable, stream=self.stream)
         except nats.js.errors.NotFoundError as exc:
             raise ConsumerNotDeclared(self.stream, self.durable) from exc
+        except _TRANSIENT_NATS as exc:
+            raise LogUnavailable(f"binding consumer {self.durable!r} on stream {self.stream!r}", exc) from exc
         self._max_deliver = info.config.max_deliver or -1
         self._backoff = list(info.config.backoff or [])
         self._ack_wait = float(info.config.ack_wait or 30.0)
-        self._sub = await self.log.js.pull_subscribe_bind(durable=self.durable, stream=self.stream)
         log.info("consumer bound", stream=self.stream, consumer=self.durable, max_deliver=self._max_deliver)
 
     async def run(self, stop: asyncio.Event) -> ConsumerStats:
@@ -160,7 +162,13 @@ class Consumer:
             except PoisonEvent as exc:
                 await self._dead_letter(msg, exc.message, exc.error_class, run_id=None)
                 return
-            except Exception as exc:  # the blob store is down, say: try again later
+            except SprawlError as exc:  # the blob store is down or refuses us: try again later
+                await self._retry_later(msg, delivered, exc, run_id=None)
+                return
+            except Exception as exc:
+                # Poison boundary: a decoder bug must not crash-loop the worker on this message. Logged
+                # with its traceback, retried with backoff, dead-lettered (with its bytes) at max_deliver.
+                log.exception("decoding raised an unexpected error", delivered=delivered)
                 await self._retry_later(msg, delivered, exc, run_id=None)
                 return
             if event.event_id in self._applied:
@@ -175,7 +183,20 @@ class Consumer:
             except PoisonEvent as exc:
                 await self._dead_letter(msg, exc.message, exc.error_class, run_id=event.run_id)
                 return
+            except TransientError as exc:  # the handler says: not now, retry later
+                await self._retry_later(msg, delivered, exc, run_id=event.run_id)
+                return
             except Exception as exc:
+                # Poison boundary, the handler contract: whatever else a handler raises (a bug, an error
+                # its author did not type) is retried with backoff and dead-lettered at max_deliver, so one
+                # bad event cannot crash-loop the worker. Logged with its traceback and the event's identity.
+                log.exception(
+                    "handler raised an unexpected error",
+                    event_id=event.event_id,
+                    event_type=type(event).type_tag(),
+                    run_id=event.run_id,
+                    delivered=delivered,
+                )
                 await self._retry_later(msg, delivered, exc, run_id=event.run_id)
                 return
             finally:
@@ -209,6 +230,8 @@ class Consumer:
             await self._dead_letter(msg, reason, type(exc).__name__, run_id=run_id)
             return
         delay = self._retry_delays[min(delivered - 1, len(self._retry_delays) - 1)]
+        if isinstance(exc, TransientError) and exc.retry_after_s is not None:
+            delay = max(delay, exc.retry_after_s)
         log.warning("handler failed, will retry", error=repr(exc), delivered=delivered, retry_in_s=delay)
         with contextlib.suppress(*_TRANSIENT_NATS):
             await msg.nak(delay=delay)
@@ -230,7 +253,7 @@ class Consumer:
         )
         try:
             await self.log.append(dead)
-        except Exception as exc:
+        except (SprawlError, nats.errors.Error) as exc:  # the log or (for a big payload) the blob store
             # Losing nothing beats a clean queue: leave it for redelivery.
             log.error("dead-letter append failed; message left for redelivery", error=repr(exc))
             with contextlib.suppress(*_TRANSIENT_NATS):

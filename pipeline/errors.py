@@ -12,6 +12,24 @@ class SprawlError(Exception):
         super().__init__(f"{message} ({hint})" if hint else message)
 
 
+class TransientError(SprawlError):
+    """Retry later, with backoff: a dependency (the log, the object store, a peer) did not answer or
+    is not ready yet, and the same operation may succeed unchanged once it does.
+
+    Never a verdict about the data: a timeout is not "not found". A consumer handler that raises one
+    is nak'ed with backoff (`retry_after_s`, when given, is the least delay), and a worker loop waits
+    and tries again instead of exiting.
+    """
+
+    def __init__(self, message: str, *, hint: str = "", retry_after_s: float | None = None):
+        self.retry_after_s = retry_after_s
+        super().__init__(message, hint=hint or "transient: retry later, with backoff")
+
+
+Retryable = TransientError
+"""The same class under the name the restructuring issue uses."""
+
+
 # ------------------------------------------------------------------ blob store
 
 
@@ -52,8 +70,20 @@ class BlobIntegrityError(BlobStoreError):
         )
 
 
-class BlobStoreUnavailable(BlobStoreError):
+class UnknownBlobBackend(BlobStoreError):
+    def __init__(self, backend: str, registered: list[str]):
+        self.backend = backend
+        super().__init__(
+            f"no blob store backend is registered for type {backend!r} (registered: {', '.join(registered)})",
+            hint="set `blobs.type` to one of those, or register the backend with `register_blob_backend`",
+        )
+
+
+class BlobStoreUnavailable(BlobStoreError, TransientError):
+    """The object store did not answer (connection refused, timed out, throttled): retry later."""
+
     def __init__(self, endpoint: str | None, cause: str):
+        self.endpoint = endpoint
         super().__init__(
             f"S3 endpoint {endpoint or '(default)'} is unreachable: {cause}",
             hint="is the object store running? `sprawl stack status` shows the local one",
@@ -87,6 +117,30 @@ class AppendFailed(LogError):
     pass
 
 
+class LogUnavailable(LogError, TransientError):
+    """The log did not answer (timeout, reconnecting, no responders): retry later, never read as absence."""
+
+    def __init__(self, operation: str, cause: BaseException | str, *, hint: str = ""):
+        self.operation = operation
+        self.cause = cause if isinstance(cause, str) else _describe(cause)
+        super().__init__(
+            f"the log did not answer while {operation}: {self.cause}",
+            hint=hint or "is nats-server reachable? `sprawl stack status` shows the local one; retry with backoff",
+        )
+
+
+class AppendUnavailable(AppendFailed, LogUnavailable):
+    """An append that ran out of attempts without an answer; the same Nats-Msg-Id makes a retry safe."""
+
+    def __init__(self, subject: str, attempts: int, cause: BaseException | None):
+        self.subject = subject
+        super().__init__(
+            f"appending to {subject} ({attempts} attempts)",
+            cause or "no answer",
+            hint="is nats-server reachable? the same Nats-Msg-Id makes a later retry safe",
+        )
+
+
 class StreamNotDeclared(LogError):
     def __init__(self, subject: str):
         super().__init__(
@@ -111,8 +165,28 @@ class PoisonEvent(SprawlError):
         super().__init__(message)
 
 
+# ------------------------------------------------------------------ views
+
+
+class UnknownView(SprawlError, ValueError):
+    """A view name nobody registered. Also a ValueError, so config validators report it as invalid input."""
+
+    def __init__(self, name: str, registered: list[str]):
+        self.name = name
+        super().__init__(
+            f"unknown view {name!r}; registered views: {', '.join(registered)}",
+            hint="name one of those in `chain.views`, or add a view module under pipeline/views/ and register it",
+        )
+
+
 # ------------------------------------------------------------------ stack
 
 
 class StackError(SprawlError):
     pass
+
+
+def _describe(exc: BaseException) -> str:
+    """`Type: message`, or just `Type` for the many nats-py errors whose message is empty."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -23,7 +23,15 @@ from nats.js import api
 
 from pipeline.blobstore import BlobStore, open_blob_store
 from pipeline.config import LogSettings, NatsSettings, SprawlSettings
-from pipeline.errors import AppendConflict, AppendFailed, PoisonEvent, StreamNotDeclared
+from pipeline.errors import (
+    AppendConflict,
+    AppendFailed,
+    AppendUnavailable,
+    LogError,
+    LogUnavailable,
+    PoisonEvent,
+    StreamNotDeclared,
+)
 from pipeline.logs import get_logger
 from pipeline.subjects import subject_for
 from schemas import ClaimCheck, Event, EventDecodeError, decode_event, encode_event
@@ -34,6 +42,14 @@ log = get_logger(__name__)
 _ERR_WRONG_LAST_SEQUENCE = 10071
 _ERR_WRONG_LAST_MSG_ID = 10070
 _ERR_NO_STREAM_MATCH = 10060
+
+NO_ANSWER = (
+    TimeoutError,  # covers nats.errors.TimeoutError and the bare asyncio timeouts nats-py sometimes raises
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.NoRespondersError,
+)
+"""What the client raises when the server did not answer: never "not found", always retry later."""
 
 CLAIM_CHECK_HEADER = "Sprawl-Claim-Check"
 EVENT_TYPE_HEADER = "Sprawl-Event-Type"
@@ -108,7 +124,11 @@ class EventLog:
         if not self.nc.is_closed:
             with contextlib.suppress(nats.errors.Error):
                 await self.nc.flush(timeout=2)
-            await self.nc.close()
+            # With the server gone, nats-py's close writes what it buffered while reconnecting onto the
+            # dead socket and raises ConnectionResetError; by then the client is already CLOSED (no more
+            # reconnects), which is all closing means here.
+            with contextlib.suppress(ConnectionError):
+                await self.nc.close()
 
     # ---------------------------------------------------------------- append
 
@@ -164,11 +184,16 @@ class EventLog:
         )
 
     async def _own_head(self, subject: str, msg_id: str) -> api.PubAck | None:
+        """Our own earlier append at the head of `subject`, or None when the server says the head is not
+        ours (or there is none). A head we could not read raises LogUnavailable: not knowing is not
+        "someone else's", and the same Nats-Msg-Id makes retrying the append safe."""
         try:
             stream = await self.js.find_stream_name_by_subject(subject)
             last = await self.js.get_last_msg(stream, subject)
         except nats.js.errors.NotFoundError:
             return None
+        except NO_ANSWER as exc:
+            raise LogUnavailable(f"reading the head of {subject} to tell our own append from a rival's", exc) from exc
         if (last.headers or {}).get("Nats-Msg-Id") != msg_id:
             return None
         return api.PubAck(stream=stream, seq=last.seq, duplicate=True)
@@ -220,10 +245,7 @@ class EventLog:
             delay = min(delay * 2, 5.0)
         if isinstance(last_error, nats.errors.NoRespondersError | nats.js.errors.NoStreamResponseError):
             raise StreamNotDeclared(subject) from last_error
-        raise AppendFailed(
-            f"append to {subject} failed after {self.settings.publish_attempts} attempts: {last_error!r}",
-            hint="is nats-server reachable? the same Nats-Msg-Id makes a later retry safe",
-        ) from last_error
+        raise AppendUnavailable(subject, self.settings.publish_attempts, last_error) from last_error
 
     # ---------------------------------------------------------------- read
 
@@ -231,8 +253,9 @@ class EventLog:
         """Decode a message body, fetching and verifying claim-checked events from the blob store.
 
         Raises PoisonEvent for anything that can never decode (malformed,
-        unknown type, failed validation, a claim whose blob is corrupt).
-        Transient blob-store errors propagate so the caller retries.
+        unknown type, failed validation, a claim whose blob is corrupt or gone).
+        Other blob-store errors propagate: BlobStoreUnavailable is a TransientError, so
+        the caller retries.
         """
         from pipeline.errors import BlobIntegrityError, BlobNotFound
 
@@ -243,7 +266,10 @@ class EventLog:
         if not isinstance(event, ClaimCheck):
             return event
         if self.blobs is None:
-            raise AppendFailed("received a claim-checked event but this log has no blob store")
+            raise LogError(
+                f"received claim-checked event {event.event_id} but this log has no blob store to fetch {event.uri}",
+                hint="open the EventLog with a blob store (EventLog.connect does)",
+            )
         try:
             body = await asyncio.to_thread(self.blobs.get_bytes, event.uri, expected=event.sha256)
         except BlobIntegrityError as exc:

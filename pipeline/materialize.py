@@ -128,7 +128,8 @@ class Materializer:
             if entry.view == self.view:
                 return entry
         raise MaterializeError(
-            f"version {event.version} has no {self.view!r} view (it has {', '.join(v.view for v in event.views)})"
+            f"version {event.version} has no {self.view!r} view (it has {', '.join(v.view for v in event.views)})",
+            hint="serve a view the trainer publishes, or add this one to the trainer's `chain.views`",
         )
 
     async def _gather_events(self, version: int) -> int:
@@ -169,7 +170,10 @@ class Materializer:
             if options:
                 best[v] = min(options, key=lambda o: o[0])
         if version not in best:
-            raise MaterializeError(f"no usable route to version {version} of view {self.view!r}")
+            raise MaterializeError(
+                f"no usable route to version {version} of view {self.view!r}",
+                hint="every route failed for the reasons given; keep serving the last good version",
+            )
         edges: list[_Edge] = []
         v = version
         while best[v][2] is not None:
@@ -199,12 +203,15 @@ class Materializer:
                     start, edges = self._plan(lowest, version, failed, bad_starts)
                 except MaterializeError as exc:
                     detail = "; ".join(reasons) if reasons else "nothing was tried"
-                    raise MaterializeError(f"{exc}: {detail}") from None
+                    raise MaterializeError(f"{exc.message}: {detail}", hint=exc.hint) from None
                 try:
                     result = self._execute(version, start, edges)
                 except _EdgeFailed as exc:
                     if exc.edge is None and exc.start is None:
-                        raise MaterializeError(exc.reason) from exc  # nothing to route around
+                        # Nothing to route around: the target version's own files are inconsistent.
+                        raise MaterializeError(
+                            exc.reason, hint="this version's blobs do not fit together; do not serve it"
+                        ) from exc
                     reasons.append(exc.reason)
                     log.warning("materialize route failed, replanning", version=version, reason=exc.reason)
                     if exc.edge is not None:
@@ -282,6 +289,8 @@ class Materializer:
             final = self.path_of(version)
             os.rename(staging, final)  # atomic: a version directory is complete or absent
         except BaseException:
+            # Cleanup, then re-raise whatever it was (a failed edge, an outage, a cancellation): a
+            # half-built staging directory must not outlive any failure. Nothing is swallowed here.
             shutil.rmtree(staging, ignore_errors=True)
             raise
         route = " -> ".join([f"{kind}:v{start_version}", *(f"{e.kind}:v{e.target}" for e in edges)])
@@ -334,11 +343,13 @@ class Materializer:
                 raise _EdgeFailed(
                     edge,
                     ("cache", edge.base) if edge.base in self.cached_versions() else None,
-                    f"refused: base of v{edge.base}->v{edge.target} does not match ({exc})",
+                    f"refused: base of v{edge.base}->v{edge.target} does not match ({exc.message})",
                 ) from exc
-            raise _EdgeFailed(edge, None, f"patch v{edge.base}->v{edge.target} produced wrong bits ({exc})") from exc
+            raise _EdgeFailed(
+                edge, None, f"patch v{edge.base}->v{edge.target} produced wrong bits ({exc.message})"
+            ) from exc
         except patch_codec.PatchFormatError as exc:
-            raise _EdgeFailed(edge, None, f"patch {blob.uri} is unreadable: {exc}") from exc
+            raise _EdgeFailed(edge, None, f"patch {blob.uri} is unreadable: {exc.message}") from exc
         return size
 
     def _check_start(self, tensors: dict[str, torch.Tensor], version: int, start: tuple[str, int]) -> None:
@@ -363,7 +374,8 @@ class Materializer:
             if actual != expected.get(name):
                 raise MaterializeError(
                     f"v{version} tensor {name} ({dtype_name(tensor.dtype)}) hashes to {actual}, "
-                    f"the version says {expected.get(name)}"
+                    f"the version says {expected.get(name)}",
+                    hint="the rebuilt bits do not match the signed version; do not serve it",
                 )
 
     # ---------------------------------------------------------------- switch and clean up

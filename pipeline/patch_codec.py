@@ -35,6 +35,7 @@ import numpy as np
 import zstandard
 
 from pipeline.bits import bits_dtype, checksum
+from pipeline.errors import SprawlError
 
 MAGIC = b"SPRWLPCH"
 FORMAT_VERSION = 1
@@ -43,8 +44,18 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 22  # measured with bench delta: fewer, larger num
 ZSTD_LEVEL = 3  # measured: level 3 is within ~1% of level 9 on value planes at a fraction of the time
 
 
-class PatchFormatError(ValueError):
-    """Bytes that are not a patch this codec can read, or a patch that does not fit its base."""
+class PatchFormatError(SprawlError, ValueError):
+    """Bytes that are not a patch this codec can read, or a patch that does not fit its base.
+
+    Poison for this patch, never transient: the same bytes fail the same way. A ValueError too, as before."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        hint: str = "do not apply this patch; materialize from a keyframe instead (the materializer does)",
+    ):
+        super().__init__(message, hint=hint)
 
 
 class ChunkEntry(msgspec.Struct, frozen=True, array_like=True):

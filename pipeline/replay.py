@@ -2,6 +2,11 @@
 
 Uses an ephemeral, ack-less consumer that is deleted when the replay ends;
 durable cursors stay with the workers that own them.
+
+A replay ends only when the server says the stream has nothing more for it: a
+fetch that times out while messages are still pending raises LogUnavailable
+(retry later) instead of ending the replay early, so a projection is never
+rebuilt from a silently truncated history.
 """
 
 from __future__ import annotations
@@ -12,10 +17,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 
+import nats.errors
 from nats.js import api
 
-from pipeline.errors import PoisonEvent
-from pipeline.eventlog import EventLog
+from pipeline.errors import LogUnavailable, PoisonEvent
+from pipeline.eventlog import NO_ANSWER, EventLog
 from pipeline.logs import get_logger
 from schemas import Event
 
@@ -40,14 +46,19 @@ async def _ephemeral(event_log: EventLog, stream: str, subject_filter: str, **de
         num_replicas=1,
         **deliver,
     )
-    sub = await event_log.js.pull_subscribe(subject_filter, durable=None, stream=stream, config=config)
-    info = await sub.consumer_info()
+    try:
+        sub = await event_log.js.pull_subscribe(subject_filter, durable=None, stream=stream, config=config)
+        info = await sub.consumer_info()
+    except NO_ANSWER as exc:
+        raise LogUnavailable(f"opening a replay of {subject_filter} on {stream}", exc) from exc
     try:
         yield sub, info
     finally:
-        with contextlib.suppress(Exception):
+        # Best effort: when the server is gone the consumer goes with it (in-memory), or is reaped
+        # after `inactive_threshold`; a failed cleanup must not hide the error that ended the replay.
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
             await sub.unsubscribe()
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
             await event_log.js.delete_consumer(stream, info.name)
 
 
@@ -70,9 +81,13 @@ async def replay(
     start_seq: int | None = None,
     start_time: datetime | None = None,
     batch: int = 256,
+    fetch_timeout_s: float = 5.0,
 ) -> AsyncIterator[Replayed]:
     """Yield every event on `subject_filter` from `start_seq` (or `start_time`, or the start) to the
-    current end of the stream."""
+    current end of the stream.
+
+    Raises LogUnavailable (a TransientError) when the server stops answering before the end: a
+    timeout is never taken for the end of the stream."""
     if start_seq is not None:
         deliver = {"deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": start_seq}
     elif start_time is not None:
@@ -83,13 +98,26 @@ async def replay(
         remaining = info.num_pending
         while remaining > 0:
             try:
-                msgs = await sub.fetch(min(batch, remaining), timeout=5.0)
-            except TimeoutError:  # nats-py raises its own subclass or a bare asyncio timeout
-                break
+                msgs = await sub.fetch(min(batch, remaining), timeout=fetch_timeout_s)
+            except NO_ANSWER as exc:
+                what = f"replaying {subject_filter} on {stream} with {remaining} messages still pending"
+                if await _pending_on_the_servers_word(sub, what, exc):
+                    raise LogUnavailable(what, exc) from exc
+                break  # the server says they are gone (aged out of a LIMITS stream mid-replay)
             for msg in msgs:
                 remaining = msg.metadata.num_pending
                 if (item := await _decoded(event_log, msg)) is not None:
                     yield item
+
+
+async def _pending_on_the_servers_word(sub, what: str, timeout: BaseException) -> int:
+    """After a fetch got no answer: how many messages the server still holds for this consumer.
+    No answer to that either raises LogUnavailable: silence is not "none left"."""
+    try:
+        info = await sub.consumer_info()
+    except NO_ANSWER as exc:
+        raise LogUnavailable(what, timeout) from exc
+    return info.num_pending
 
 
 async def tail_messages(

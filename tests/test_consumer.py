@@ -1,11 +1,12 @@
 import asyncio
 import json
+import time
 
 import pytest
 
 from pipeline.blobstore import S3BlobStore
 from pipeline.consumer import Consumer, Delivery
-from pipeline.errors import ConsumerNotDeclared, PoisonEvent
+from pipeline.errors import ConsumerNotDeclared, PoisonEvent, TransientError
 from tests.consuming import dead_letters, run_until
 from tests.events import reward, trajectory
 
@@ -82,6 +83,22 @@ async def test_transient_errors_are_retried_then_succeed(event_log, settings):
     assert await dead_letters(event_log, settings.run_id) == []
 
 
+async def test_a_transient_error_is_retried_no_sooner_than_it_asks(event_log, settings):
+    await event_log.append(trajectory(settings.run_id, "not-yet", 3))
+    seen: list[float] = []
+
+    async def handler(delivery: Delivery) -> None:
+        seen.append(time.monotonic())
+        if len(seen) == 1:
+            raise TransientError("prompt group not seen yet", retry_after_s=1.5)
+
+    consumer = _consumer(event_log, settings, handler, retry_delays_s=(0.1,))
+    await run_until(consumer, lambda: consumer.stats.acked == 1)
+    assert len(seen) == 2 and seen[1] - seen[0] >= 1.5
+    assert consumer.stats.nacked == 1
+    assert await dead_letters(event_log, settings.run_id) == []
+
+
 async def test_exhausted_retries_are_dead_lettered(event_log, settings):
     await event_log.append(trajectory(settings.run_id, "never-works", 3))
 
@@ -126,12 +143,14 @@ async def test_corrupt_claim_check_is_dead_lettered(event_log, settings):
     assert claim["sha256"] in letter.reason
 
 
-async def test_rewards_consumer_is_separate_from_the_trainers(event_log, settings):
+async def test_a_consumer_of_the_rewards_stream_gets_rewards(event_log, settings):
+    await event_log.append(trajectory(settings.run_id, "not-a-reward", 3))
     await event_log.append(reward(settings.run_id, 1))
     got = []
 
     async def handler(delivery: Delivery) -> None:
-        got.append(delivery.event.trajectory_id)
+        got.append(type(delivery.event).__name__)
 
-    consumer = Consumer(event_log, "REWARDS", f"{settings.run_id}-trainer-rewards", handler, fetch_timeout_s=0.2)
-    await run_until(consumer, lambda: got == ["traj-1"])
+    # The archiver's consumer of REWARDS: declared by infra for every run, bound here like any worker's.
+    consumer = Consumer(event_log, "REWARDS", f"{settings.run_id}-archiver-rewards", handler, fetch_timeout_s=0.2)
+    await run_until(consumer, lambda: got == ["Reward"])
