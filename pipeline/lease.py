@@ -15,10 +15,9 @@ import time
 from pipeline.errors import AppendConflict, SprawlError
 from pipeline.eventlog import EventLog
 from pipeline.log_lookup import last_event_on
-from pipeline.subjects import subject_for
+from pipeline.subjects import trainer_lease_subject
+from pipeline.topology import TRAINER
 from schemas import TrainerLease
-
-LEASE_STREAM = "TRAINER"
 
 
 class LeaseHeld(SprawlError):
@@ -43,7 +42,7 @@ class RunLease:
 
     async def take(self) -> None:
         """Take the lease, or raise LeaseHeld if another holder's lease is still fresh."""
-        last = await last_event_on(self.log, LEASE_STREAM, subject_for(self._lease()))
+        last = await last_event_on(self.log, TRAINER.name, trainer_lease_subject(self.run_id))
         seq = 0
         if last is not None:
             seq = last.stream_seq

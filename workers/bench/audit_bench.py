@@ -8,7 +8,6 @@ N is 1 M (200 k with --quick). Besides the trajectories, a few versions (one wit
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pyarrow as pa
@@ -21,6 +20,7 @@ from pipeline.audit import AUDITS, lineage_sql, open_archive, query
 from pipeline.blobstore import open_blob_store
 from pipeline.eventlog import EventLog
 from pipeline.logs import configure_logging
+from pipeline.topology import Kind, run_subject
 from schemas import (
     BlobPointer,
     DeadLetter,
@@ -34,6 +34,8 @@ from schemas import (
     VersionSpan,
     ViewVersion,
 )
+from schemas.archive import event_type_prefix
+from schemas.lineage import Lineage, LineageGroup, LineageMember, encode_lineage, lineage_key
 from workers.archiver import ArchiverSettings, ArchiveSection, drain_once
 from workers.bench.private_stack import private_stack
 
@@ -72,14 +74,14 @@ async def _publish(event_log: EventLog, n: int, blobs) -> float:
     for start in range(0, n, window):
         await asyncio.gather(*(event_log.append(_trajectory(i)) for i in range(start, min(n, start + window))))
     elapsed = time.perf_counter() - t0
-    lineage = {
-        "version": 1,
-        "groups": [
-            {"group_id": f"g{g}", "members": [[f"t{g * 8 + k}", g * 8 + k + 1, 0] for k in range(8)]}
+    lineage = Lineage(
+        version=1,
+        groups=[
+            LineageGroup(f"g{g}", [LineageMember(f"t{g * 8 + k}", g * 8 + k + 1, 0) for k in range(8)])
             for g in range(125)
         ],
-    }
-    ref = blobs.put_bytes(json.dumps(lineage).encode(), f"runs/{RUN}/lineage/v00000001.json")
+    )
+    ref = blobs.put_bytes(encode_lineage(lineage), lineage_key(RUN, 1))
     for version in (0, 1):
         view = ViewVersion(
             view="bf16",
@@ -141,7 +143,7 @@ async def _publish(event_log: EventLog, n: int, blobs) -> float:
             error_class="unknown_type",
             stream="trajectories",
             consumer="c",
-            original_subject="rl.x",
+            original_subject=run_subject(RUN, Kind.TRAJECTORIES, "g0"),
             original_seq=1,
             num_delivered=1,
             payload=b"",
@@ -160,22 +162,23 @@ def _pyarrow_answers(settings) -> dict[str, float]:
         scheme="http",
         region=blobs.region,
     )
-    root = f"{blobs.bucket}/archive/run_id={RUN}"
+
+    def dataset(event_type: str) -> ds.Dataset:
+        return ds.dataset(f"{blobs.bucket}/{event_type_prefix(RUN, event_type)}", filesystem=s3, format="parquet")
+
     times = {}
     t0 = time.perf_counter()
-    trajectories = ds.dataset(f"{root}/event_type=trajectory.v1", filesystem=s3, format="parquet")
+    trajectories = dataset("trajectory.v1")
     wanted = pa.array([f"t{i}" for i in range(1000)])
     found = trajectories.to_table(columns=["trajectory_id", "island"], filter=pc.field("trajectory_id").isin(wanted))
     members = pa.table(
         {"trajectory_id": found["trajectory_id"], "island": pc.struct_field(found["island"], "island_id")}
     )
-    rewards = ds.dataset(f"{root}/event_type=reward.v1", filesystem=s3, format="parquet").to_table(
-        columns=["trajectory_id", "value"]
-    )
+    rewards = dataset("reward.v1").to_table(columns=["trajectory_id", "value"])
     members.join(rewards, "trajectory_id")
     times["lineage"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    islands = ds.dataset(f"{root}/event_type=island_heartbeat.v2", filesystem=s3, format="parquet").to_table()
+    islands = dataset("island_heartbeat.v2").to_table()
     islands.group_by([]).aggregate([("current_version", "max")])
     times["fleet"] = time.perf_counter() - t0
     t0 = time.perf_counter()

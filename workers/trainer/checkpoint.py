@@ -19,11 +19,11 @@ from pipeline.blobstore import BlobStore
 from pipeline.eventlog import EventLog
 from pipeline.log_lookup import last_event_on
 from pipeline.logs import get_logger
+from pipeline.subjects import trainer_checkpoint_subject
+from pipeline.topology import TRAINER
 from schemas import TrainerCheckpoint
 
 log = get_logger(__name__)
-
-CHECKPOINT_STREAM = "TRAINER"
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class RestoredState:
 
 async def latest_checkpoint(event_log: EventLog, run_id: str) -> TrainerCheckpoint | None:
     """The run's newest checkpoint; None only when the log says there is none."""
-    last = await last_event_on(event_log, CHECKPOINT_STREAM, f"rl.{run_id}.trainer.checkpoint")
+    last = await last_event_on(event_log, TRAINER.name, trainer_checkpoint_subject(run_id))
     if last is None:
         return None
     if not isinstance(last.event, TrainerCheckpoint):

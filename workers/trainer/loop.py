@@ -28,13 +28,13 @@ from pipeline.eventlog import EventLog
 from pipeline.lease import RunLease
 from pipeline.logs import get_logger
 from pipeline.replay import tail
-from pipeline.subjects import token
+from pipeline.topology import REWARDS, TRAJECTORIES, rewards_filter, token, trajectories_filter
 from schemas import GroupDropped, Reward, TrainerMetrics, Trajectory
 from workers.lifecycle import run_connected
 from workers.trainer.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
 from workers.trainer.recovery import batch_from_lineage, check_rederived, put_lineage, root_hashes
 from workers.trainer.settings import TrainerSettings
-from workers.trainer.update import UpdateConfig, run_update
+from workers.trainer.update import run_update
 
 log = get_logger(__name__)
 
@@ -57,13 +57,6 @@ class Trainer:
         self.step = 0
         self.next_traj_seq = 1
         self.next_reward_seq = 1
-        self.update_cfg = UpdateConfig(
-            loss=self.cfg.loss.config(),
-            normalize_std=self.cfg.normalize_std,
-            max_grad_norm=self.cfg.max_grad_norm,
-            routing_replay=self.cfg.routing_replay,
-            max_staleness=self.cfg.max_staleness,
-        )
         self.groups_dropped = 0
         self.published: list[int] = []
         self.model = None
@@ -142,7 +135,7 @@ class Trainer:
 
     def _update(self, batch: list[GroupBatchItem], trainer_version: int):
         assert self.model is not None and self.optimizer is not None
-        metrics = run_update(self.model, self.optimizer, batch, self.update_cfg, trainer_version)
+        metrics = run_update(self.model, self.optimizer, batch, self.cfg, trainer_version)
         self.step += 1
         return metrics
 
@@ -201,10 +194,10 @@ class Trainer:
                 await self._catch_up(head)
             feeds = [
                 asyncio.create_task(
-                    self._feed("TRAJECTORIES", f"rl.{self.run_id}.traj.>", self.next_traj_seq, feeds_stop)
+                    self._feed(TRAJECTORIES.name, trajectories_filter(self.run_id), self.next_traj_seq, feeds_stop)
                 ),
                 asyncio.create_task(
-                    self._feed("REWARDS", f"rl.{self.run_id}.reward.>", self.next_reward_seq, feeds_stop)
+                    self._feed(REWARDS.name, rewards_filter(self.run_id), self.next_reward_seq, feeds_stop)
                 ),
             ]
             background = [lease, *feeds]

@@ -9,7 +9,6 @@ silently forked chain.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import torch
 
@@ -17,8 +16,10 @@ from pipeline.batching import GroupBatchItem
 from pipeline.blobstore import BlobStore
 from pipeline.errors import SprawlError
 from pipeline.eventlog import EventLog
+from pipeline.topology import REWARDS, TRAJECTORIES
 from pipeline.version_log import fetch_version
 from schemas import PolicyVersion, Reward, Trajectory
+from schemas.lineage import Lineage, LineageGroup, LineageMember, decode_lineage, encode_lineage, lineage_key
 
 
 class RecoveryMismatch(SprawlError):
@@ -30,22 +31,20 @@ class RecoveryMismatch(SprawlError):
 
 
 async def put_lineage(blobs: BlobStore, run_id: str, version: int, batch: list[GroupBatchItem]) -> str:
-    lineage = {
-        "version": version,
-        "groups": [
-            {
-                "group_id": item.group_id,
-                "members": [
-                    [t.trajectory_id, ts, rs]
+    lineage = Lineage(
+        version=version,
+        groups=[
+            LineageGroup(
+                group_id=item.group_id,
+                members=[
+                    LineageMember(t.trajectory_id, ts, rs)
                     for t, ts, rs in zip(item.trajectories, item.trajectory_seqs, item.reward_seqs, strict=True)
                 ],
-            }
+            )
             for item in batch
         ],
-    }
-    ref = await asyncio.to_thread(
-        blobs.put_bytes, json.dumps(lineage).encode(), f"runs/{run_id}/lineage/v{version:08d}.json"
     )
+    ref = await asyncio.to_thread(blobs.put_bytes, encode_lineage(lineage), lineage_key(run_id, version))
     return ref.uri
 
 
@@ -56,24 +55,23 @@ async def batch_from_lineage(
     event = await fetch_version(event_log, run_id, version)
     if event is None or event.lineage_uri is None:
         raise RecoveryMismatch(f"version {version} has no lineage: it cannot be re-derived")
-    lineage = json.loads(await asyncio.to_thread(blobs.get_bytes, event.lineage_uri))
+    lineage = decode_lineage(await asyncio.to_thread(blobs.get_bytes, event.lineage_uri))
     batch = []
-    for group in lineage["groups"]:
+    for group in lineage.groups:
         trajectories, rewards, tseqs, rseqs = [], [], [], []
-        for trajectory_id, tseq, rseq in group["members"]:
-            traj = await event_log.resolve((await event_log.js.get_msg("TRAJECTORIES", tseq)).data)
-            reward = await event_log.resolve((await event_log.js.get_msg("REWARDS", rseq)).data)
+        for member in group.members:
+            trajectory_id, tseq, rseq = member.trajectory_id, member.trajectory_seq, member.reward_seq
+            traj = await event_log.resolve((await event_log.js.get_msg(TRAJECTORIES.name, tseq)).data)
+            reward = await event_log.resolve((await event_log.js.get_msg(REWARDS.name, rseq)).data)
             if not isinstance(traj, Trajectory) or traj.trajectory_id != trajectory_id:
-                raise RecoveryMismatch(f"lineage of v{version}: TRAJECTORIES seq {tseq} is not {trajectory_id}")
+                raise RecoveryMismatch(f"lineage of v{version}: {TRAJECTORIES.name} seq {tseq} is not {trajectory_id}")
             if not isinstance(reward, Reward) or reward.trajectory_id != trajectory_id:
-                raise RecoveryMismatch(
-                    f"lineage of v{version}: REWARDS seq {rseq} is not for {trajectory_id}"
-                )
+                raise RecoveryMismatch(f"lineage of v{version}: {REWARDS.name} seq {rseq} is not for {trajectory_id}")
             trajectories.append(traj)
             rewards.append(reward)
             tseqs.append(tseq)
             rseqs.append(rseq)
-        batch.append(GroupBatchItem(group["group_id"], trajectories, rewards, tseqs, rseqs))
+        batch.append(GroupBatchItem(group.group_id, trajectories, rewards, tseqs, rseqs))
     return event, batch
 
 

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.batching import GroupBatchItem
-from pipeline.off_policy import LossConfig, grpo_advantages, policy_loss
+from pipeline.off_policy import grpo_advantages, policy_loss
 from pipeline.routing_replay import replay_routing
 from schemas import Trajectory
+from workers.trainer.settings import TrainerSection
 
 STALENESS_BUCKETS = {
     "staleness_0": (0, 0),
@@ -27,15 +28,6 @@ STALENESS_BUCKETS = {
     "staleness_9_plus": (9, 1 << 30),
 }
 """Histogram of per-token staleness (trainer version minus the version that produced the token)."""
-
-
-@dataclass
-class UpdateConfig:
-    loss: LossConfig
-    normalize_std: bool = True
-    max_grad_norm: float = 1.0
-    routing_replay: bool = False
-    max_staleness: int | None = None
 
 
 @dataclass
@@ -141,10 +133,11 @@ def run_update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: list[GroupBatchItem],
-    cfg: UpdateConfig,
+    cfg: TrainerSection,
     trainer_version: int,
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-    """Forward, corrected loss, backward, step. Returns overall and per-island-group metrics."""
+    """Forward, corrected loss, backward, step, as `cfg` says (its loss, GRPO normalization, gradient
+    clipping, routing replay and staleness bound). Returns overall and per-island-group metrics."""
     started = time.perf_counter()
     trajectories = [t for item in batch for t in item.trajectories]
     rewards = torch.tensor([[r.value for r in item.rewards] for item in batch], dtype=torch.float32)

@@ -1,0 +1,59 @@
+"""The run lease and the last-event lookup it stands on: a stalled log is never read as "no lease"."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+import pytest
+
+from infra import stack
+from pipeline.lease import LeaseHeld, RunLease
+from pipeline.log_lookup import last_event_on
+from pipeline.subjects import trainer_lease_subject
+from pipeline.topology import TRAINER
+from schemas import TrainerLease
+
+pytestmark = pytest.mark.integration
+
+
+@contextlib.contextmanager
+def nats_stalled(settings):
+    """SIGSTOP the session's nats-server (a real stall: the socket stays open, nothing answers)."""
+    status = stack.status(settings)
+    assert status is not None
+    pid = next(s.pid for s in status.servers if s.name == "nats")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def test_a_fresh_lease_of_another_holder_refuses_the_start(event_log, settings):
+    await RunLease(event_log, settings.run_id, "holder-a", ttl_s=60).take()
+    with pytest.raises(LeaseHeld, match=r"already has a trainer \(holder-a\)"):
+        await RunLease(event_log, settings.run_id, "holder-b", ttl_s=60).take()
+
+
+async def test_the_same_holder_takes_its_lease_over_at_once(event_log, settings):
+    await RunLease(event_log, settings.run_id, "holder-a", ttl_s=60).take()
+    await RunLease(event_log, settings.run_id, "holder-a", ttl_s=60).take()
+    last = await last_event_on(event_log, TRAINER.name, trainer_lease_subject(settings.run_id))
+    assert last is not None and isinstance(last.event, TrainerLease) and last.event.holder == "holder-a"
+
+
+async def test_an_empty_subject_is_none(event_log, settings):
+    assert await last_event_on(event_log, TRAINER.name, trainer_lease_subject(settings.run_id)) is None
+
+
+async def test_a_stalled_log_is_an_error_not_an_empty_subject(event_log, settings):
+    """Before: the trainer read any failure of this lookup as "no lease" and "no checkpoint"."""
+    await RunLease(event_log, settings.run_id, "holder-a", ttl_s=600).take()
+    with nats_stalled(settings), pytest.raises(Exception) as failure:
+        await last_event_on(event_log, TRAINER.name, trainer_lease_subject(settings.run_id))
+    assert not isinstance(failure.value, AssertionError)
+    # After the stall the lease is still holder-a's: nothing was taken over.
+    with pytest.raises(LeaseHeld):
+        await RunLease(event_log, settings.run_id, "holder-b", ttl_s=600).take()
