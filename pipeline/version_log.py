@@ -6,11 +6,10 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-import nats.errors
 import nats.js.errors
 
-from pipeline.errors import SprawlError
-from pipeline.eventlog import EventLog
+from pipeline.errors import LogUnavailable, SprawlError
+from pipeline.eventlog import NO_ANSWER, EventLog
 from pipeline.subjects import policy_subject
 from pipeline.topology import POLICY, policy_filter
 from schemas import PolicyVersion
@@ -61,13 +60,16 @@ async def wait_for_version(event_log: EventLog, run_id: str, version: int, timeo
     deadline = time.monotonic() + timeout_s
     delay = 0.05
     while True:
+        unanswered: BaseException | None = None
         try:
             event = await fetch_version(event_log, run_id, version)
-        except (TimeoutError, nats.errors.ConnectionReconnectingError):
-            event = None
+        except NO_ANSWER as exc:  # keep polling, but remember: silence is not "not there"
+            event, unanswered = None, exc
         if event is not None:
             return event
         if time.monotonic() >= deadline:
+            if unanswered is not None:
+                raise LogUnavailable(f"looking up policy version {version} of run {run_id}", unanswered)
             raise VersionNotAvailable(run_id, version, timeout_s)
         await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 1.0)

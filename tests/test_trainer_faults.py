@@ -9,7 +9,7 @@ from pipeline.blobstore import S3BlobStore
 from pipeline.replay import replay
 from pipeline.topology import METRICS, TRAINER
 from schemas import GroupDropped, TrainerMetrics
-from tests.test_lease import nats_stalled
+from tests.test_stalled_log import nats_stalled
 from tests.trainer_data import make_groups, publish_groups, write_initial_model
 from workers.trainer.checkpoint import latest_checkpoint
 from workers.trainer.loop import Trainer

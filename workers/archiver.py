@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from pipeline.blobstore import BlobStore, open_blob_store
 from pipeline.config import Section, SprawlSettings
 from pipeline.errors import PoisonEvent
-from pipeline.eventlog import EventLog
+from pipeline.eventlog import NO_ANSWER, EventLog
 from pipeline.logs import get_logger
 from pipeline.topology import STREAMS, ConsumerRole, Stream, consumer_for
 from schemas.archive import JSON_TEXT_FIELDS, UNDECODABLE, ArchiveKey, archive_date, run_prefix
@@ -130,7 +130,7 @@ class StreamArchiver:
                     await self.flush()
             await self.flush()
         finally:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*NO_ANSWER, nats.errors.Error):  # the connection may be what failed
                 await sub.unsubscribe()
 
     async def _take(self, msg) -> None:
@@ -170,7 +170,8 @@ class StreamArchiver:
             )
             await asyncio.to_thread(self.blobs.put_bytes, buffer.getvalue(), key.to_key())
         for msg, _, _ in self.buffer:
-            with contextlib.suppress(Exception):
+            # The file is durable: a lost ack only means a redelivery, which `high_water` skips.
+            with contextlib.suppress(*NO_ANSWER, nats.errors.Error):
                 await msg.ack()
         self.high_water = max(self.high_water, self.buffer[-1][1]["seq"])
         self.archived += len(self.buffer)

@@ -166,7 +166,7 @@ class Sidecar:
     async def _engine_healthy(self) -> bool:
         try:
             return await self.island.engine.health()
-        except Exception:
+        except EngineError:  # unreachable or refusing: not ready, and /readyz says so
             return False
 
     # ---------------------------------------------------------------- generation

@@ -19,8 +19,8 @@ import xxhash
 
 from pipeline.config import SprawlSettings
 from pipeline.consumer import Consumer, Delivery
-from pipeline.errors import PoisonEvent
-from pipeline.eventlog import EventLog
+from pipeline.errors import PoisonEvent, TransientError
+from pipeline.eventlog import NO_ANSWER, EventLog
 from pipeline.logs import get_logger
 from pipeline.topology import ConsumerRole, consumer_for
 from schemas import IslandHeartbeat, PromptGroup, Trajectory
@@ -72,7 +72,7 @@ class SamplerWorker:
         try:
             await self.island.ensure_version(group.accepts, self.settings.max_staleness)
         except VersionUnreachable as exc:
-            raise RuntimeError(f"cannot serve group {group.group_id} yet: {exc}") from exc  # nak: retry later
+            raise TransientError(f"cannot serve group {group.group_id} yet: {exc}") from exc  # nak: retry later
         self._inflight += 1
         try:
             samples = await self.island.engine.generate(
@@ -159,16 +159,18 @@ class SamplerWorker:
         prompts = consumer_for(self.settings.run_id, ConsumerRole.SAMPLERS)
         try:
             info = await self.log.js.consumer_info(prompts.stream.name, prompts.name)
-        except Exception:
+        except NO_ANSWER:  # the heartbeat says "unknown", it does not invent a zero
             return None
         return info.num_pending
 
     async def _heartbeats(self) -> None:
         while True:
-            with contextlib.suppress(Exception):
-                beat = self.heartbeat()
-                beat = msgspec.structs.replace(beat, queue_pending=await self._queue_pending())
+            beat = self.heartbeat()
+            beat = msgspec.structs.replace(beat, queue_pending=await self._queue_pending())
+            try:
                 await self.log.append(beat)
+            except TransientError as exc:  # a missed beat is fine; the next one says the same, fresher
+                log.warning("heartbeat not appended", error=str(exc))
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -176,15 +178,23 @@ class SamplerWorker:
         beats = asyncio.create_task(self._heartbeats())
         prompts = consumer_for(self.settings.run_id, ConsumerRole.SAMPLERS)
         consumer = Consumer(self.log, prompts.stream.name, prompts.name, self.handle, batch=1, fetch_timeout_s=0.5)
+        serving = asyncio.create_task(consumer.run(stop))  # returns after the group in hand: SIGTERM drains
         try:
-            await consumer.run(stop)  # returns after the group in hand is finished: SIGTERM drains
+            await asyncio.wait({serving, beats}, return_when=asyncio.FIRST_COMPLETED)
+            if beats.done():  # a dead heartbeat loop must not leave a sampler alive and invisible
+                stop.set()
+                await serving
+                beats.result()
+            await serving
         finally:
             beats.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beats
             self.island.state = "draining"
-            with contextlib.suppress(Exception):
+            try:
                 await self.log.append(self.heartbeat())
+            except TransientError as exc:  # draining: the log may be what is going away
+                log.warning("last heartbeat not appended", error=str(exc))
             await self.island.stop()
 
 

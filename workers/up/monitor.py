@@ -15,10 +15,11 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import msgspec
+import nats.errors
 
 from pipeline.blobstore import BlobStore
-from pipeline.errors import PoisonEvent
-from pipeline.eventlog import EventLog
+from pipeline.errors import PoisonEvent, SprawlError, TransientError
+from pipeline.eventlog import NO_ANSWER, EventLog
 from pipeline.logs import get_logger
 from pipeline.replay import tail_messages
 from pipeline.subjects import group_dropped_subject, prompts_subject
@@ -38,6 +39,7 @@ from schemas import (
     DeadLetter,
     GroupDropped,
     IslandHeartbeat,
+    LineageDecodeError,
     PolicyVersion,
     PromptGroup,
     Reward,
@@ -214,7 +216,8 @@ class RunMonitor:
                 return
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # a NATS restart: resume (idempotent projection, so from the start)
+            except (TransientError, *NO_ANSWER, nats.errors.Error) as exc:
+                # A NATS restart: resume (an idempotent projection, so from the start).
                 log.warning("monitor feed failed; resuming", stream=stream, error=repr(exc))
                 await asyncio.sleep(1.0)
 
@@ -272,7 +275,7 @@ class RunMonitor:
             try:
                 lineage = decode_lineage(await asyncio.to_thread(self.blobs.get_bytes, event.lineage_uri))
                 groups = [g.group_id for g in lineage.groups]
-            except Exception as exc:  # the summary says which versions it could not attribute
+            except (SprawlError, LineageDecodeError) as exc:  # the summary says which versions it could not attribute
                 log.warning("lineage unreadable", version=event.version, error=repr(exc))
         at = event.produced_at.timestamp()
         state.versions[event.version] = VersionRecord(

@@ -1,4 +1,4 @@
-"""The run lease and the last-event lookup it stands on: a stalled log is never read as "no lease"."""
+"""A stalled log is never read as absence: the run lease, the last-event lookup, waiting for a version."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import signal
 import pytest
 
 from infra import stack
+from pipeline.errors import LogUnavailable
 from pipeline.lease import LeaseHeld, RunLease
 from pipeline.log_lookup import last_event_on
 from pipeline.subjects import trainer_lease_subject
 from pipeline.topology import TRAINER
+from pipeline.version_log import VersionNotAvailable, wait_for_version
 from schemas import TrainerLease
 
 pytestmark = pytest.mark.integration
@@ -57,3 +59,11 @@ async def test_a_stalled_log_is_an_error_not_an_empty_subject(event_log, setting
     # After the stall the lease is still holder-a's: nothing was taken over.
     with pytest.raises(LeaseHeld):
         await RunLease(event_log, settings.run_id, "holder-b", ttl_s=600).take()
+
+
+async def test_waiting_for_a_version_through_a_stall_says_the_log_did_not_answer(event_log, settings):
+    """Before: a stall until the deadline was reported as "version 3 is not in the log"."""
+    with nats_stalled(settings), pytest.raises(LogUnavailable, match="policy version 3"):
+        await wait_for_version(event_log, settings.run_id, 3, timeout_s=1.0)
+    with pytest.raises(VersionNotAvailable):  # answered, and truly absent
+        await wait_for_version(event_log, settings.run_id, 3, timeout_s=0.2)
