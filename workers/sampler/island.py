@@ -13,7 +13,10 @@ import asyncio
 import contextlib
 import socket
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
+
+import nats.errors
 
 from pipeline.blobstore import BlobStore
 from pipeline.config import MaterializeSettings, Section
@@ -24,7 +27,7 @@ from pipeline.materialize import Materializer
 from pipeline.subjects import policy_filter
 from pipeline.version_log import VersionNotAvailable, chain_head
 from schemas import IslandIdentity, VersionConstraint
-from workers.sampler.engines.base import Capabilities, Engine
+from workers.sampler.engines.base import Capabilities, Engine, EngineError
 
 log = get_logger(__name__)
 
@@ -69,6 +72,13 @@ def build_island(event_log: EventLog, blob_settings, run_id: str, section: Islan
     return Island(event_log, open_blob_store(blob_settings), engine, run_id=run_id, settings=section)
 
 
+def _log_follower_death(task: asyncio.Task) -> None:
+    """An unexpected error ends the follower (it retries only the expected ones); say so, since the
+    island then keeps serving its last version."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the island stopped following the chain", error=repr(task.exception()))
+
+
 class VersionUnreachable(SprawlError):
     """The request's version constraint cannot be met by this island (HTTP 409)."""
 
@@ -80,16 +90,53 @@ class VersionUnreachable(SprawlError):
         )
 
 
-@dataclass
+@dataclass(frozen=True)
+class CommitRecord:
+    version: int
+    committed_at: float
+    """time.time() when the version started serving."""
+    pause_s: float
+    root_hash: str
+    """Root hash of the verified bits it serves."""
+    route: str
+
+
 class IslandStats:
-    commits: int = 0
-    pauses_s: list[float] = field(default_factory=list)
-    committed_at: dict[int, float] = field(default_factory=dict)
-    """Version -> time.time() when it started serving (for the sync benchmark)."""
-    root_hashes: dict[int, str] = field(default_factory=dict)
-    """Version -> root hash of the verified bits it serves."""
-    routes: dict[int, str] = field(default_factory=dict)
-    pause_by_version: dict[int, float] = field(default_factory=dict)
+    """Commit counters over the island's whole life, and the last `keep` commits in detail.
+
+    An island commits every version of a run, so keeping every commit (as this once did) grows
+    without bound. The per-version mappings the sync benchmark's island process polls, and the
+    pause list the sidecar summarizes, are read-only views of the recent window."""
+
+    def __init__(self, keep: int = 256):
+        self.commits = 0
+        self.pause_total_s = 0.0
+        self.recent: deque[CommitRecord] = deque(maxlen=keep)
+
+    def record(self, commit: CommitRecord) -> None:
+        self.commits += 1
+        self.pause_total_s += commit.pause_s
+        self.recent.append(commit)
+
+    @property
+    def pauses_s(self) -> list[float]:
+        return [c.pause_s for c in self.recent]
+
+    @property
+    def committed_at(self) -> dict[int, float]:
+        return {c.version: c.committed_at for c in self.recent}
+
+    @property
+    def pause_by_version(self) -> dict[int, float]:
+        return {c.version: c.pause_s for c in self.recent}
+
+    @property
+    def root_hashes(self) -> dict[int, str]:
+        return {c.version: c.root_hash for c in self.recent}
+
+    @property
+    def routes(self) -> dict[int, str]:
+        return {c.version: c.route for c in self.recent}
 
 
 class Island:
@@ -133,17 +180,18 @@ class Island:
         self.capabilities = await self.engine.capabilities()
         if follow:
             self._sub = await self.log.nc.subscribe(policy_filter(self.run_id), cb=self._on_policy_message)
-            self._tasks.append(asyncio.create_task(self._follow(), name="island-follow"))
+            follower = asyncio.create_task(self._follow(), name="island-follow")
+            follower.add_done_callback(_log_follower_death)
+            self._tasks.append(follower)
 
     async def stop(self) -> None:
         self.state = "draining"
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        # collected, not raised: a follower that died of an error was already logged when it died
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._sub is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(nats.errors.Error):  # the connection may be closed already
                 await self._sub.unsubscribe()
 
     async def _on_policy_message(self, _msg) -> None:
@@ -158,9 +206,8 @@ class Island:
                     self.head = head.version if self.head is None else max(self.head, head.version)
                     if self.version is None or self.version < head.version:
                         await self.commit(head.version)
-            except (SprawlError, OSError) as exc:
-                log.warning("following the chain failed; will retry", error=str(exc))
-            except Exception as exc:  # a NATS hiccup must not end the follower
+            except (SprawlError, EngineError, nats.errors.Error, OSError) as exc:
+                # the log, the blob store or the engine hiccuped: the next wake-up or poll retries
                 log.warning("following the chain failed; will retry", error=repr(exc))
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
@@ -174,12 +221,7 @@ class Island:
             self.state = "catching_up" if self.version is not None else "starting"
             got = await self.materializer.materialize(version)
             pause = await self.engine.load_weights(got.path, version, self._changed_since(self.version, version))
-            self.stats.commits += 1
-            self.stats.pauses_s.append(pause)
-            self.stats.committed_at[version] = time.time()
-            self.stats.root_hashes[version] = got.root_hash
-            self.stats.routes[version] = got.route
-            self.stats.pause_by_version[version] = pause
+            self.stats.record(CommitRecord(version, time.time(), pause, got.root_hash, got.route))
             self.head = version if self.head is None else max(self.head, version)
             self.state = "serving"
             log.info(

@@ -14,16 +14,41 @@ version opens a new span over the output tokens: the in-flight update real engin
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-from pipeline.sampling import process_logits, truncates
+from pipeline.errors import SprawlError
+from pipeline.sampling import draw, process_logits, truncates
 from schemas import VersionSpan
 from workers.sampler.engines.base import Capabilities, EngineUnavailable, GenerateRequest, Sample
 from workers.sampler.engines.weights import load_config, model_state_dict
+
+
+class UnsupportedModelForward(SprawlError):
+    """The installed transformers' forward pass does not take or fill the KV cache we hand it."""
+
+    def __init__(self, model: str, detail: str):
+        import transformers
+
+        super().__init__(
+            f"{model} under transformers {transformers.__version__}: {detail}",
+            hint="install a transformers release this engine is tested with (see pyproject.toml)",
+        )
+
+
+def cache_keyword(model) -> str:
+    """The forward keyword that takes the KV cache: `past_key_values` until transformers renamed it
+    `cache` (5.2x, old name deprecated). The signature is public API; passing the wrong name would
+    vanish into `**kwargs` and silently decode without context."""
+    parameters = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise UnsupportedModelForward(type(model).__name__, "forward() takes neither `cache` nor `past_key_values`")
 
 
 class ReferenceEngine:
@@ -40,6 +65,7 @@ class ReferenceEngine:
         self.top_logprobs = top_logprobs
         self.threads = threads
         self.model = None
+        self._cache_keyword = ""  # read from the model's forward signature when it is built
         self._version: int | None = None
         self._lock = threading.Lock()  # one forward pass or weight commit at a time
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
@@ -119,8 +145,9 @@ class ReferenceEngine:
         model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
         model.load_state_dict(state, strict=True)
         model.to(self.device).eval()
+        keyword = cache_keyword(model)
         with self._lock:
-            self.model, self._version = model, version
+            self.model, self._cache_keyword, self._version = model, keyword, version
 
     def _commit(self, state: dict[str, torch.Tensor], version: int) -> float:
         t0 = time.perf_counter()
@@ -148,7 +175,9 @@ class ReferenceEngine:
             raise EngineUnavailable("no weights loaded yet")
         return await asyncio.to_thread(self._generate, request)
 
-    def _step(self, input_ids: torch.Tensor, cache, routing: list[torch.Tensor]):
+    def _step(self, input_ids: torch.Tensor, cache, routing: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """One forward pass; `cache` (a DynamicCache) is extended in place, so the output's copy of it
+        (an attribute transformers renamed) is never read."""
         self._resumed.wait()
         with self._lock:
             if self._pending is not None:
@@ -162,13 +191,17 @@ class ReferenceEngine:
                 for name, module in self.model.named_modules()
                 if name.endswith("mlp.gate")
             ]
+            cached = cache.get_seq_length()
             try:
                 with torch.no_grad():
-                    out = self.model(input_ids=input_ids.to(self.device), cache=cache, use_cache=True)
+                    kwargs = {self._cache_keyword: cache}
+                    out = self.model(input_ids=input_ids.to(self.device), use_cache=True, **kwargs)
             finally:
                 for hook in hooks:
                     hook.remove()
-        return out.logits[:, -1].float().cpu(), out.cache, version
+            if cache.get_seq_length() != cached + input_ids.shape[1]:
+                raise UnsupportedModelForward(type(self.model).__name__, "the KV cache passed in was not filled")
+        return out.logits[:, -1].float().cpu(), version
 
     def _generate(self, request: GenerateRequest) -> list[Sample]:
         from transformers import DynamicCache
@@ -181,7 +214,7 @@ class ReferenceEngine:
         stops = set(request.stop_token_ids)
         cache = DynamicCache()
         routing: list[torch.Tensor] = []  # per forward pass and layer: [tokens, top_k]
-        logits, cache, version = self._step(torch.tensor([prompt] * n), cache, routing)
+        logits, version = self._step(torch.tensor([prompt] * n), cache, routing)
         layers = len(routing)
         per_token_routing: list[torch.Tensor] = [torch.stack(routing, dim=1).view(n, len(prompt), layers, -1)]
         routing.clear()
@@ -204,23 +237,15 @@ class ReferenceEngine:
                 if version != span_version[i]:
                     spans[i].append(VersionSpan(version=span_version[i], start=span_start[i], end=step))
                     span_start[i], span_version[i] = step, version
-                probs = processed.logprobs[i].exp()
-                token = (
-                    int(torch.multinomial(probs, 1, generator=generators[i]))
-                    if sp.temperature > 0
-                    else int(processed.logprobs[i].argmax())
-                )
+                token, kept_ids = draw(processed, i, generators[i])  # the token comes from the recorded set
                 outputs[i].append(token)
                 lp[i].append(float(processed.logprobs[i, token]))
                 raw_lp[i].append(float(processed.raw_logprobs[i, token]))
-                finite = int(processed.kept[i].sum())
-                values, ids = torch.topk(processed.logprobs[i], min(k, finite))
+                values, ids = torch.topk(processed.logprobs[i], min(k, len(kept_ids)))
                 top_ids[i].append(ids.tolist())
                 top_lps[i].append(values.tolist())
                 if record_kept:
-                    kept_ids = torch.nonzero(processed.kept[i]).flatten()
-                    order = torch.argsort(processed.logprobs[i, kept_ids], descending=True, stable=True)
-                    kept[i].append(kept_ids[order].tolist())
+                    kept[i].append(kept_ids.tolist())
                 if token in stops:
                     done[i], finish[i] = True, "stop"
                 elif request.request_id and request.request_id in self._aborted:
@@ -228,7 +253,7 @@ class ReferenceEngine:
                 next_tokens.append(token)
             if all(done) or step == sp.max_new_tokens - 1:
                 break
-            logits, cache, version = self._step(torch.tensor(next_tokens).view(n, 1), cache, routing)
+            logits, version = self._step(torch.tensor(next_tokens).view(n, 1), cache, routing)
             per_token_routing.append(torch.stack(routing, dim=1).view(n, 1, layers, -1))
             routing.clear()
         self._aborted.discard(request.request_id)

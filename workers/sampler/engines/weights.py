@@ -15,8 +15,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pipeline.errors import SprawlError
 from pipeline.keyframe import INDEX_FILE
 from pipeline.views import dequantize_fp8_block
+
+
+class CheckpointLayoutError(SprawlError):
+    """A materialized version's tensors cannot be arranged into the model's layout."""
+
+    def __init__(self, detail: str):
+        super().__init__(detail, hint="the version on disk is incomplete or not this model's; re-materialize it")
+
 
 _EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts\.)(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -80,7 +89,7 @@ def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for prefix, by_expert in experts.items():
         ids = sorted(by_expert)
         if ids != list(range(len(ids))):
-            raise ValueError(f"{prefix}: experts {ids} are not 0..{len(ids) - 1}")
+            raise CheckpointLayoutError(f"{prefix}: experts {ids} are not 0..{len(ids) - 1}")
         out[f"{prefix}gate_up_proj"] = torch.stack(
             [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]], dim=0) for e in ids]
         )
