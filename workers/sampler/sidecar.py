@@ -139,7 +139,7 @@ class Sidecar:
         return web.json_response(body, status=200 if ready else 503)
 
     async def metrics(self, _request: web.Request) -> web.Response:
-        pauses = self.island.stats.pauses_s
+        stats = self.island.stats  # lifetime counters: a Prometheus summary never shrinks
         lines = [
             "# HELP sprawl_island_version Policy version the engine serves.",
             "# TYPE sprawl_island_version gauge",
@@ -155,8 +155,8 @@ class Sidecar:
             f"sprawl_generated_tokens_total {self.tokens}",
             "# HELP sprawl_commit_pause_seconds Engine pause per weight commit.",
             "# TYPE sprawl_commit_pause_seconds summary",
-            f"sprawl_commit_pause_seconds_count {len(pauses)}",
-            f"sprawl_commit_pause_seconds_sum {sum(pauses):.6f}",
+            f"sprawl_commit_pause_seconds_count {stats.commits}",
+            f"sprawl_commit_pause_seconds_sum {stats.pause_total_s:.6f}",
             "# HELP sprawl_cached_versions Versions materialized on disk.",
             "# TYPE sprawl_cached_versions gauge",
             f"sprawl_cached_versions {len(self.island.materializer.cached_versions())}",
