@@ -13,23 +13,20 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from pipeline.keyframe import write_checkpoint
+from pipeline.tiny_models import tiny_moe_config
 from pipeline.views import get_view
 
 
 def tiny_config() -> Qwen3MoeConfig:
-    return Qwen3MoeConfig(
+    """Big enough for the engines' fp8 block kernels (128-wide blocks), small enough to start in seconds."""
+    return tiny_moe_config(
         vocab_size=512,
         hidden_size=256,
         intermediate_size=512,
         moe_intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=64,
         num_experts=8,
-        num_experts_per_tok=2,
         max_position_embeddings=1024,
-        tie_word_embeddings=False,
         eos_token_id=0,
         bos_token_id=1,
     )

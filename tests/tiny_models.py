@@ -3,26 +3,9 @@
 from __future__ import annotations
 
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import Qwen3MoeForCausalLM
 
-
-def tiny_moe_config(**overrides) -> Qwen3MoeConfig:
-    params = dict(
-        vocab_size=96,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    params.update(overrides)
-    return Qwen3MoeConfig(**params)
+from pipeline.tiny_models import tiny_moe_config
 
 
 def tiny_moe(seed: int = 0, **overrides) -> Qwen3MoeForCausalLM:
