@@ -1,6 +1,5 @@
-"""The sampler side: the processed distribution's kept set is a function of the logits' values, the
-sampled token always lies in the set the trainer replays, and an island's commit bookkeeping stays
-bounded however many versions it serves."""
+"""The sampler side: the processed distribution's kept set is a function of the logits' values, and
+the sampled token always lies in the set the trainer replays."""
 
 import pytest
 import torch
