@@ -10,9 +10,15 @@ from schemas import IslandIdentity, Trajectory, VersionSpan
 SECRET_FILE = "/root/.sprawl-sandbox-test-secret"
 SECRET_ENV = "SPRAWL_SANDBOX_TEST_SECRET"
 
+WALL_CLOCK_CASES = frozenset({"sleep_past_timeout"})
+"""Cases that only end when the wall clock kills them: run them with a short `wall_timeout_s`, and every
+other case with one far above its CPU limit, so that on a loaded machine (where a CPU second takes
+many seconds of wall clock) each still ends the way it is meant to."""
 
-def catalogue(listener_port: int) -> dict[str, tuple[str, set[str]]]:
-    """name -> (answer code, acceptable error classes)."""
+
+def catalogue(listener_port: int, secret_file: str = SECRET_FILE) -> dict[str, tuple[str, set[str]]]:
+    """name -> (answer code, acceptable error classes). `secret_file`: a host file the sandbox must not
+    read (one per run when several run at once)."""
     return {
         "fork_bomb": ("import os\nwhile True:\n    os.fork()\ndef add(a, b): return a + b", {"process_limit"}),
         "memory_hog": ("x = bytearray(10 ** 10)\ndef add(a, b): return a + b", {"memory"}),
@@ -28,7 +34,7 @@ def catalogue(listener_port: int) -> dict[str, tuple[str, set[str]]]:
             {"permission"},
         ),
         "read_root_and_env": (
-            f"import os\nprint(sorted(os.environ))\nprint(open({SECRET_FILE!r}).read())\ndef add(a, b): return a + b",
+            f"import os\nprint(sorted(os.environ))\nprint(open({secret_file!r}).read())\ndef add(a, b): return a + b",
             {"permission"},
         ),
         "multi_gb_output": (

@@ -12,7 +12,9 @@ import os
 import statistics
 import time
 
-from pipeline.sandbox import BwrapSandboxPool, SandboxSettings, UnsandboxedRunner
+from pipeline.sandbox import SandboxSettings
+from pipeline.sandbox.bubblewrap import BwrapSandboxPool
+from pipeline.sandbox.unsandboxed import UnsandboxedRunner
 
 TRIVIAL = "print(sum(range(1000)))"
 
@@ -23,8 +25,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def _plain(n: int, settings: SandboxSettings) -> list[float]:
-    runner = UnsandboxedRunner.__new__(UnsandboxedRunner)  # no warning: this is the benchmark's baseline
-    runner.settings = settings
+    runner = UnsandboxedRunner(settings, warn=False)  # the benchmark's baseline, not a verifier
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -126,7 +127,7 @@ def bench_sandbox(quick: bool) -> tuple[list[dict], dict]:
 async def _hostile_catalogue(settings: SandboxSettings) -> tuple[int, int]:
     """Each hostile program as a code answer: contained = reward 0 with an error class, sandbox still healthy."""
     from schemas import PromptGroup
-    from workers.bench.hostile_programs import catalogue, code_answer, open_listener
+    from workers.bench.hostile_programs import WALL_CLOCK_CASES, catalogue, code_answer, open_listener
     from workers.rewards.verifiers import CodeTests
 
     listener = open_listener()
@@ -139,18 +140,23 @@ async def _hostile_catalogue(settings: SandboxSettings) -> tuple[int, int]:
         n_samples=1,
         metadata={"tests": "def test_adds():\n    assert add(2, 3) == 5\n"},
     )
-    pool = BwrapSandboxPool(settings.model_copy(update={"pool_size": 2, "max_processes": 24}))
+    # CPU-bound cases get a wall clock far above their CPU limit; the wall-clock case a short one.
+    pool = BwrapSandboxPool(settings.model_copy(update={"pool_size": 2, "max_processes": 24, "wall_timeout_s": 60}))
+    short = BwrapSandboxPool(settings.model_copy(update={"pool_size": 1, "max_processes": 24}))
     await pool.start()
+    await short.start()
     contained = 0
     cases = catalogue(listener.getsockname()[1])
     try:
-        for code, classes in cases.values():
+        for name, (code, classes) in cases.items():
+            chosen = short if name in WALL_CLOCK_CASES else pool
             trajectory = code_answer(code, run_id="b")
-            verdict = await CodeTests().verify(trajectory, group, pool)
-            healthy = await pool.run(TRIVIAL)
+            verdict = await CodeTests().verify(trajectory, group, chosen)
+            healthy = await chosen.run(TRIVIAL)
             if verdict.value == 0.0 and verdict.error_class in classes and healthy.error_class is None:
                 contained += 1
     finally:
         listener.close()
         await pool.close()
+        await short.close()
     return contained, len(cases)

@@ -1,0 +1,205 @@
+"""Running untrusted (model-written) programs where they can harm nothing.
+
+A sandbox backend is one module here plus one entry in `SANDBOX_BACKENDS`, chosen by
+`sandbox.backend`:
+
+- `bwrap` (`bubblewrap.py`): every program in its own unprivileged uid and fresh namespaces, no
+  network, a read-only `/usr` and nothing else of the host, rlimits, a wall-clock timeout; a warm
+  pool keeps sandboxes started ahead of time. The default, and the only one for untrusted code.
+- `none` (`unsandboxed.py`): the same limits without isolation, for trusted verifiers only.
+- `modal` (`modal.py`): Modal Sandboxes, when the `modal` package is installed.
+
+Backends are imported only when chosen, so a worker that never runs programs never needs one.
+This module holds what every backend shares: the settings, the result and how it is classified.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from pipeline.config import Section
+from pipeline.errors import SprawlError
+
+if TYPE_CHECKING:
+    from pipeline.sandbox.bubblewrap import BwrapSandboxPool, bwrap_argv, reap_orphans
+    from pipeline.sandbox.modal import ModalSandboxRunner, modal_sandbox_request
+    from pipeline.sandbox.unsandboxed import UnsandboxedRunner
+
+__all__ = [
+    "SANDBOX_BACKENDS",
+    "BwrapSandboxPool",
+    "ModalSandboxRunner",
+    "Sandbox",
+    "SandboxResult",
+    "SandboxSettings",
+    "SandboxUnavailable",
+    "UnsandboxedRunner",
+    "bwrap_argv",
+    "modal_sandbox_request",
+    "open_sandbox",
+    "reap_orphans",
+]
+
+
+class SandboxSettings(Section):
+    backend: str = "bwrap"
+    """A key of `SANDBOX_BACKENDS`: `bwrap` (isolated), `none` (trusted verifiers only; logs a warning),
+    `modal` (needs the modal package)."""
+    bwrap: str = "bwrap"
+    """The bubblewrap binary: a name looked up on PATH, or a path (Debian package `bubblewrap`)."""
+    python: str = "/usr/bin/python3"
+    """Interpreter inside the sandbox (must live under /usr, the only host tree mounted)."""
+    cpu_seconds: int = 5
+    """RLIMIT_CPU: past it the kernel sends SIGXCPU (and SIGKILL one second later)."""
+    memory_mb: int = 512
+    """RLIMIT_AS."""
+    max_processes: int = 32
+    """RLIMIT_NPROC for the sandbox's own uid."""
+    max_file_mb: int = 16
+    """RLIMIT_FSIZE."""
+    max_open_files: int = 64
+    """RLIMIT_NOFILE."""
+    wall_timeout_s: float = 10.0
+    """Wall clock from submission; the whole sandbox is killed when it passes."""
+    max_output_bytes: int = 64 * 1024
+    """stdout and stderr are each cut (and the program killed) past this."""
+    pool_size: int = 4
+    """Warm sandboxes kept ready: size it to the rollout concurrency."""
+    uid_base: int = 61000
+    """First uid sandboxes may run as. Each pool leases its own range of uids above it (one uid per
+    slot, so process limits are per sandbox and no two pools on a host share a uid)."""
+    uid_span: int = 4096
+    """How many uids above `uid_base` pools may lease from (every pool on a host shares this space)."""
+    uid_lock_dir: Path = Path("/tmp/sprawl-sandbox-uids")
+    """Where uid leases are held: one flock'ed file per uid, released when the pool closes or its
+    process exits."""
+    tmpfs_mb: int = 64
+    """Size of the private working directory."""
+
+
+class SandboxUnavailable(SprawlError):
+    """The configured backend cannot run programs here (a binary is missing, a package, a uid)."""
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    sandbox_id: str
+    exit_code: int | None
+    signal: int | None
+    stdout: str
+    stderr: str
+    duration_s: float
+    timed_out: bool
+    """We killed it because the wall clock passed while it was still running."""
+    output_truncated: bool
+    """We killed it because stdout or stderr passed `max_output_bytes`."""
+    cpu_limited: bool = False
+    """The kernel stopped it for passing RLIMIT_CPU (SIGXCPU, or SIGKILL at the hard limit)."""
+    cpu_seconds: float | None = None
+    """CPU time the kernel accounted to the program (None where the backend cannot tell)."""
+
+    @property
+    def error_class(self) -> str | None:
+        """A stable name for how the program ended (None: it exited 0 within every limit)."""
+        if self.timed_out:
+            return "timeout"
+        if self.output_truncated:
+            return "output_limit"
+        if self.cpu_limited:
+            return "cpu"
+        if self.signal == signal.SIGXFSZ or "File too large" in self.stderr:
+            return "file_size"
+        if self.signal is not None:
+            return "killed"
+        text = self.stderr
+        for needle, name in (
+            ("MemoryError", "memory"),
+            ("Cannot allocate memory", "memory"),
+            ("BlockingIOError", "process_limit"),
+            ("Resource temporarily unavailable", "process_limit"),
+            ("ConnectionRefusedError", "network"),
+            ("Network is unreachable", "network"),
+            ("socket.gaierror", "network"),
+            ("Read-only file system", "permission"),
+            ("PermissionError", "permission"),
+            ("FileNotFoundError", "permission"),
+            ("Too many open files", "open_files"),
+        ):
+            if needle in text:
+                return name
+        if self.exit_code:
+            return "crash"
+        return None
+
+
+class Sandbox(Protocol):
+    """What a backend offers: start once, run programs (each in a fresh sandbox), close once."""
+
+    async def start(self) -> None: ...
+
+    async def run(self, program: str) -> SandboxResult: ...
+
+    async def close(self) -> None: ...
+
+
+def _bubblewrap(settings: SandboxSettings) -> Sandbox:
+    from pipeline.sandbox.bubblewrap import BwrapSandboxPool
+
+    return BwrapSandboxPool(settings)
+
+
+def _unsandboxed(settings: SandboxSettings) -> Sandbox:
+    from pipeline.sandbox.unsandboxed import UnsandboxedRunner
+
+    return UnsandboxedRunner(settings)
+
+
+def _modal(settings: SandboxSettings) -> Sandbox:
+    from pipeline.sandbox.modal import ModalSandboxRunner
+
+    return ModalSandboxRunner(settings)
+
+
+SANDBOX_BACKENDS: dict[str, Callable[[SandboxSettings], Sandbox]] = {
+    "bwrap": _bubblewrap,
+    "none": _unsandboxed,
+    "modal": _modal,
+}
+"""Backend name (`sandbox.backend`) -> factory. A factory checks what its backend needs and raises
+`SandboxUnavailable` naming what to install, so a worker fails at start, not at its first program."""
+
+
+def open_sandbox(settings: SandboxSettings) -> Sandbox:
+    """The configured backend, checked but not started (`await sandbox.start()` starts it)."""
+    try:
+        factory = SANDBOX_BACKENDS[settings.backend]
+    except KeyError:
+        raise SprawlError(
+            f"unknown sandbox backend {settings.backend!r}",
+            hint=f"set sandbox.backend (SPRAWL_SANDBOX__BACKEND) to one of {', '.join(sorted(SANDBOX_BACKENDS))}",
+        ) from None
+    return factory(settings)
+
+
+_LAZY = {
+    "BwrapSandboxPool": "pipeline.sandbox.bubblewrap",
+    "bwrap_argv": "pipeline.sandbox.bubblewrap",
+    "reap_orphans": "pipeline.sandbox.bubblewrap",
+    "UnsandboxedRunner": "pipeline.sandbox.unsandboxed",
+    "ModalSandboxRunner": "pipeline.sandbox.modal",
+    "modal_sandbox_request": "pipeline.sandbox.modal",
+}
+
+
+def __getattr__(name: str) -> object:
+    """Backend names stay importable from `pipeline.sandbox` without importing every backend up front."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,295 @@
+"""One program in one process: start it under rlimits, feed it, read it with caps, and say how it ended.
+
+How a program ended is decided from what happened to the process, never from a clock reading:
+its exit status and the CPU time the kernel accounted to it (`wait4`'s rusage, which covers every
+descendant that was reaped: inside bubblewrap, all of them), plus whether we killed it and why.
+The wall clock only decides *when* we kill a program that is still running. That is why the
+process is reaped here (through a pidfd) rather than by asyncio's child watcher: the watcher
+throws the rusage away, and its exit notice can arrive after the deadline for a program that had
+long been stopped by its CPU limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import resource
+import signal
+import subprocess
+import time
+
+from pipeline.sandbox import SandboxResult, SandboxSettings
+
+# Reads the program from stdin, then runs it as __main__: everything before is start-up paid in the pool.
+RUNNER = "import sys; _src = sys.stdin.read(); exec(compile(_src, '<sandbox>', 'exec'), {'__name__': '__main__'})"
+
+_DRAIN_S = 5.0
+"""After the program has ended, how long its pipes may take to reach EOF (a bound, not a verdict)."""
+
+
+def _limits(settings: SandboxSettings):
+    def apply() -> None:  # runs in the child between fork and exec
+        os.setsid()  # its own process group: a kill takes the group
+        resource.setrlimit(resource.RLIMIT_CPU, (settings.cpu_seconds, settings.cpu_seconds + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (settings.memory_mb << 20, settings.memory_mb << 20))
+        resource.setrlimit(resource.RLIMIT_NPROC, (settings.max_processes, settings.max_processes))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (settings.max_file_mb << 20, settings.max_file_mb << 20))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (settings.max_open_files, settings.max_open_files))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    return apply
+
+
+def child_pids() -> list[int]:
+    """This process's children (the helpers of exited sandboxes are reparented to one of its threads)."""
+    pids: list[int] = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/self/task/{task}/children") as children:
+            pids.extend(int(pid) for pid in children.read().split())
+    return pids
+
+
+def uid_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None
+
+
+async def _reap_child(pid: int) -> float:
+    """SIGKILL a child, reap it, and return its CPU seconds (its reaped descendants included)."""
+    pidfd = None
+    with contextlib.suppress(OSError, AttributeError):
+        pidfd = os.pidfd_open(pid)
+    try:
+        # Not reaped yet, so the pid is still this child's: the signal cannot reach anyone else.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        while True:
+            reaped, _, usage = os.wait4(pid, os.WNOHANG)
+            if reaped:
+                return usage.ru_utime + usage.ru_stime
+            if pidfd is not None:
+                await _ready(pidfd)
+            else:
+                await asyncio.sleep(0.005)
+    except ChildProcessError:  # reaped by someone else meanwhile
+        return 0.0
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+async def _ready(fd: int, *, write: bool = False) -> None:
+    """Wait until `fd` is readable (or writable): pipes and pidfds alike."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
+    add(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        remove(fd)
+
+
+class ProgramProcess:
+    """A started process (bwrap, or the interpreter itself) waiting for its program on stdin."""
+
+    def __init__(self, popen: subprocess.Popen, helper_uid: int | None = None):
+        assert popen.stdin is not None and popen.stdout is not None and popen.stderr is not None
+        self.popen = popen
+        self.pid = popen.pid
+        self.helper_uid = helper_uid
+        self._exit: tuple[int, float] | None = None  # (wait status, CPU seconds)
+        self._helpers_reaped = helper_uid is None
+        self._pidfd: int | None = None
+        with contextlib.suppress(OSError, AttributeError):  # no pidfds (kernel < 5.3): poll instead
+            self._pidfd = os.pidfd_open(self.pid)
+        for stream in (popen.stdin, popen.stdout, popen.stderr):
+            os.set_blocking(stream.fileno(), False)
+
+    @classmethod
+    def start(
+        cls, argv: list[str], settings: SandboxSettings, env: dict[str, str], *, helper_uid: int | None = None
+    ) -> ProgramProcess:
+        """`helper_uid`: the process leaves helpers running as this uid that become our children when it
+        exits (bubblewrap's PID-namespace init, with this process a child subreaper): they are reaped
+        here, and the CPU time they had reaped (the program's) is counted."""
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=_limits(settings),
+            env=env,
+        )
+        return cls(popen, helper_uid)
+
+    @property
+    def exited(self) -> bool:
+        return self._exit is not None
+
+    def poll(self) -> bool:
+        """Reap the process if it has ended (recording its status and CPU time); True once it has."""
+        if self._exit is not None:
+            return True
+        try:
+            if os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                return False
+            # Ended but not reaped yet, so its group id cannot have been reused: kill what is left of the
+            # group (the unsandboxed runner's stragglers), then reap it.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+            _, status, usage = os.wait4(self.pid, 0)
+            cpu = usage.ru_utime + usage.ru_stime
+        except ChildProcessError:  # someone else reaped it: the status is lost, call it a crash
+            status, cpu = 1 << 8, 0.0
+        self._exit = (status, cpu)
+        self.popen.returncode = os.waitstatus_to_exitcode(status)  # so Popen never tries to reap it again
+        return True
+
+    async def wait(self) -> tuple[int, float]:
+        """The wait status and CPU seconds, once the process (and its helpers) have ended."""
+        while not self.poll():
+            if self._pidfd is not None:
+                await _ready(self._pidfd)
+            else:
+                await asyncio.sleep(0.02)
+        if not self._helpers_reaped:
+            self._helpers_reaped = True
+            status, cpu = self._exit
+            self._exit = (status, cpu + await self._reap_helpers())
+        assert self._exit is not None
+        return self._exit
+
+    async def _reap_helpers(self) -> float:
+        """Kill and reap our children running as `helper_uid` (reparented to us when the process exited);
+        returns the CPU time they account for, their reaped descendants included. Killed, not waited
+        for: bwrap sets its init's parent-death signal only after `clone`, so a sandbox killed right
+        as it starts can leave an init that would otherwise live on."""
+        cpu = 0.0
+        with contextlib.suppress(TimeoutError):  # give up: the pool's reaper collects it later
+            async with asyncio.timeout(_DRAIN_S):
+                while helpers := [pid for pid in child_pids() if uid_of(pid) == self.helper_uid]:
+                    for pid in helpers:
+                        cpu += await _reap_child(pid)
+        return cpu
+
+    def kill(self) -> None:
+        """SIGKILL the process group (bwrap's death takes its whole PID namespace with it)."""
+        if self._exit is not None:
+            return  # reaped: the pid and group may belong to someone else by now
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    async def finish(self) -> None:
+        """Kill whatever is left, reap it and close our ends of the pipes."""
+        self.kill()
+        await self.wait()
+        for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    async def feed(self, data: bytes) -> None:
+        """Write the program to stdin and close it (the runner reads to EOF before it starts)."""
+        assert self.popen.stdin is not None
+        fd, view = self.popen.stdin.fileno(), memoryview(data)
+        try:
+            while view:
+                try:
+                    view = view[os.write(fd, view) :]
+                except BlockingIOError:
+                    await _ready(fd, write=True)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it died before reading everything: its exit status says why
+        finally:
+            self.popen.stdin.close()
+
+    async def read_capped(self, which: str, limit: int, into: bytearray) -> bool:
+        """stdout or stderr into `into` until EOF (False), or until it passes `limit` bytes (True).
+        `into` keeps what was read even if the reader is cancelled."""
+        stream = self.popen.stdout if which == "stdout" else self.popen.stderr
+        assert stream is not None
+        fd = stream.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                await _ready(fd)
+                continue
+            if not chunk:
+                return False
+            into += chunk[: limit + 1 - len(into)]
+            if len(into) > limit:
+                del into[limit:]
+                return True
+
+
+async def run_program(proc: ProgramProcess, sandbox_id: str, program: str, settings: SandboxSettings) -> SandboxResult:
+    """Feed `program` to a started process and collect how it ended; the caller `finish()`es it."""
+    started = time.monotonic()
+    deadline = started + settings.wall_timeout_s
+    stdout, stderr = bytearray(), bytearray()
+    feeding = asyncio.create_task(proc.feed(program.encode()))
+    out = asyncio.create_task(proc.read_capped("stdout", settings.max_output_bytes, stdout))
+    err = asyncio.create_task(proc.read_capped("stderr", settings.max_output_bytes, stderr))
+    exited = asyncio.create_task(proc.wait())
+    timed_out = truncated = False
+    try:
+        pending: set[asyncio.Task] = {out, err, exited}
+        while not exited.done():
+            done, pending = await asyncio.wait(
+                pending, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+            )
+            if any(t in done and t.result() for t in (out, err)):
+                truncated = True
+                break
+            # Past the deadline it is a timeout only if it is really still running: on a loaded machine
+            # the exit of a program stopped by its CPU limit can be noticed after the deadline.
+            if exited not in done and time.monotonic() >= deadline and not proc.poll():
+                timed_out = True
+                break
+        if timed_out or truncated:
+            proc.kill()
+        status, cpu = await exited
+        # Ended: its output is what reached the pipes. Bounded, though EOF follows at once in bubblewrap
+        # (the PID namespace dies with the sandbox).
+        await asyncio.wait({out, err}, timeout=_DRAIN_S)
+    finally:
+        tasks = (feeding, out, err, exited)
+        for task in tasks:
+            task.cancel()
+        # Let them unregister their descriptors before the caller closes them.
+        await asyncio.gather(*tasks, return_exceptions=True)
+    code = os.waitstatus_to_exitcode(status)
+    # bwrap reports a program killed by signal N as exit status 128 + N.
+    sig = -code if code < 0 else (code - 128 if code > 128 else None)
+    exit_code = code if 0 <= code <= 128 else None
+    # Stopped by RLIMIT_CPU: SIGXCPU at the soft limit, or (SIGXCPU ignored) SIGKILL at the hard one,
+    # told from any other SIGKILL by the CPU time it had used. Not when we killed it ourselves.
+    cpu_limited = not (timed_out or truncated) and (
+        sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= settings.cpu_seconds)
+    )
+    return SandboxResult(
+        sandbox_id=sandbox_id,
+        exit_code=exit_code,
+        signal=sig,
+        stdout=stdout.decode(errors="replace"),
+        stderr=stderr.decode(errors="replace"),
+        duration_s=time.monotonic() - started,
+        timed_out=timed_out,
+        output_truncated=truncated,
+        cpu_limited=cpu_limited,
+        cpu_seconds=cpu,
+    )
