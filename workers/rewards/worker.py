@@ -4,6 +4,10 @@ It follows the run's prompt groups (a projection of the PROMPTS stream: the refe
 hidden tests live there, not in the trajectories), routes each trajectory by its task to a
 verifier, runs model-written code only inside the sandbox, and publishes the reward with the
 trajectory id as its business key, so a redelivery or a SIGKILL mid-verification never doubles it.
+
+The sandbox is opened only when a routed verifier executes model output (`needs_sandbox`): a
+worker that only checks exact answers runs without bubblewrap, and one that does run code fails at
+start, in one line naming the package, when bubblewrap is missing.
 """
 
 from __future__ import annotations
@@ -18,59 +22,91 @@ from pipeline.errors import PoisonEvent
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
 from pipeline.replay import tail
-from pipeline.sandbox import SandboxSettings, open_sandbox
+from pipeline.sandbox import Sandbox, SandboxSettings, SandboxUnavailable, open_sandbox
 from schemas import PromptGroup, Reward, Trajectory
 from workers.lifecycle import run_connected
-from workers.rewards.verifiers import VERIFIERS
+from workers.rewards.verifiers import Verifier, verifier
 
 log = get_logger(__name__)
 
 
 class RewardSettings(SprawlSettings):
     sandbox: SandboxSettings = SandboxSettings()
-    """Where verifier programs run."""
+    """Where verifier programs run (opened only when a routed verifier needs it)."""
     concurrency: int = 4
     """Trajectories verified at once (the warm pool should be at least this large)."""
-    routes: dict[str, str] = {"arith": "exact", "exact": "exact", "code": "code_tests", "format": "format"}
-    """Task -> verifier."""
+    routes: dict[str, str] = {"arith": "exact", "exact": "exact", "format": "format"}
+    """Task -> verifier (a key of `VERIFIERS`). Code tasks are opt-in because they need bubblewrap:
+    e.g. SPRAWL_ROUTES='{"arith": "exact", "code": "code_tests"}'."""
     prompt_wait_s: float = 30.0
     """How long a trajectory may wait for its prompt group to show up before it is retried later."""
 
 
+def routed_verifiers(settings: RewardSettings) -> dict[str, Verifier]:
+    """Task -> verifier, as configured; an unknown verifier name is an error at start."""
+    return {task: verifier(name) for task, name in settings.routes.items()}
+
+
+def open_verifier_sandbox(settings: RewardSettings) -> Sandbox | None:
+    """The sandbox the routed verifiers need, checked but not started; None when none executes code."""
+    needing = {task: v.name for task, v in routed_verifiers(settings).items() if v.needs_sandbox}
+    if not needing:
+        return None
+    try:
+        return open_sandbox(settings.sandbox)
+    except SandboxUnavailable as exc:
+        routes = ", ".join(f"{task!r} -> {name}" for task, name in sorted(needing.items()))
+        raise SandboxUnavailable(
+            f"reward routes {routes} run model-written code in a sandbox, but {exc.message}",
+            hint=f"{exc.hint}; or route no task to a sandboxed verifier (SPRAWL_ROUTES)",
+        ) from exc
+
+
 class RewardWorker:
-    def __init__(self, settings: RewardSettings, event_log: EventLog, sandbox):
+    def __init__(self, settings: RewardSettings, event_log: EventLog, sandbox: Sandbox | None):
         self.settings = settings
         self.log = event_log
+        self.verifiers = routed_verifiers(settings)
+        missing = sorted(task for task, v in self.verifiers.items() if v.needs_sandbox and sandbox is None)
+        if missing:
+            raise SandboxUnavailable(
+                f"tasks {', '.join(missing)} are routed to a verifier that needs a sandbox, and none was given",
+                hint="open one with open_verifier_sandbox(settings)",
+            )
         self.sandbox = sandbox
         self.groups: dict[str, PromptGroup] = {}
-        self._group_seen = asyncio.Event()
+        self._group_seen = asyncio.Condition()
         self.verified = 0
 
     async def _follow_prompts(self, stop: asyncio.Event) -> None:
         async for item in tail(self.log, "PROMPTS", f"rl.{self.settings.run_id}.prompts", 1, stop):
             if isinstance(item.event, PromptGroup):
-                self.groups[item.event.group_id] = item.event
-                self._group_seen.set()
+                async with self._group_seen:
+                    self.groups[item.event.group_id] = item.event
+                    self._group_seen.notify_all()
 
     async def _group_of(self, trajectory: Trajectory) -> PromptGroup:
-        deadline = time.monotonic() + self.settings.prompt_wait_s
-        while trajectory.group_id not in self.groups:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"prompt group {trajectory.group_id} not seen yet")  # nak: retry later
-            self._group_seen.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._group_seen.wait(), 0.5)
+        async with self._group_seen:
+            try:
+                await asyncio.wait_for(
+                    self._group_seen.wait_for(lambda: trajectory.group_id in self.groups),
+                    self.settings.prompt_wait_s,
+                )
+            except TimeoutError:
+                raise RuntimeError(f"prompt group {trajectory.group_id} not seen yet") from None  # nak: retry later
         return self.groups[trajectory.group_id]
 
     async def handle(self, delivery: Delivery) -> None:
         trajectory = delivery.event
         if not isinstance(trajectory, Trajectory):
             raise PoisonEvent(f"expected a trajectory, got {type(trajectory).type_tag()}", error_class="wrong_event")
+        verifier = self.verifiers.get(trajectory.task)
+        if verifier is None:
+            raise PoisonEvent(
+                f"no verifier for task {trajectory.task!r} (routes: {', '.join(sorted(self.verifiers))})",
+                error_class="no_verifier",
+            )
         group = await self._group_of(trajectory)
-        verifier_name = self.settings.routes.get(trajectory.task)
-        if verifier_name is None or verifier_name not in VERIFIERS:
-            raise PoisonEvent(f"no verifier for task {trajectory.task!r}", error_class="no_verifier")
-        verifier = VERIFIERS[verifier_name]
         started = time.perf_counter()
         verdict = await verifier.verify(trajectory, group, self.sandbox)
         await self.log.append(
@@ -92,7 +128,8 @@ class RewardWorker:
         self.verified += 1
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.sandbox.start()
+        if self.sandbox is not None:
+            await self.sandbox.start()
         prompts = asyncio.create_task(self._follow_prompts(stop))
         consumer = Consumer(
             self.log,
@@ -109,11 +146,14 @@ class RewardWorker:
             prompts.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await prompts
-            await self.sandbox.close()
+            if self.sandbox is not None:
+                await self.sandbox.close()
 
 
 async def run_rewards(settings: RewardSettings) -> None:
+    sandbox = open_verifier_sandbox(settings)  # before connecting: a missing bubblewrap fails the start
+
     async def body(event_log: EventLog, stop: asyncio.Event) -> None:
-        await RewardWorker(settings, event_log, open_sandbox(settings.sandbox)).run(stop)
+        await RewardWorker(settings, event_log, sandbox).run(stop)
 
     await run_connected(settings, "rewards", body)

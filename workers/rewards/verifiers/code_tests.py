@@ -1,10 +1,7 @@
-"""Verifiers: a trajectory's answer in, a verdict out. Routed by the prompt group's task.
+"""`code_tests`: the answer is Python; the prompt group's hidden tests run with it in the sandbox.
 
-- `exact`: the demo task's exact-answer check (the answer is the last line, compared verbatim).
-- `code_tests`: the answer is Python; the prompt group's hidden tests run with it in the sandbox;
-  reward 1 iff every test passes, else 0 with the first failing test named (the SWE-style reward).
-- `format`: flags malformed answers without judging them (the collapse monitor counts these).
-Every verdict carries the format flag, so format errors are counted whatever the task.
+Reward 1 iff every test passes, else 0 with the first failing test named (the SWE-style reward), or
+with the sandbox's error class when the program never got that far (a fork bomb, a timeout, ...).
 """
 
 from __future__ import annotations
@@ -12,57 +9,11 @@ from __future__ import annotations
 import json
 import re
 import textwrap
-from dataclasses import dataclass, field
 
 from schemas import PromptGroup, Trajectory
+from workers.rewards.verifiers.verdict import Verdict
 
 _CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
-
-
-@dataclass
-class Verdict:
-    value: float
-    error_class: str | None = None
-    format_error: bool = False
-    sandbox_id: str | None = None
-    components: dict[str, float] = field(default_factory=dict)
-    details: dict[str, str] = field(default_factory=dict)
-
-
-def final_answer(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""
-
-
-def answer_format_ok(text: str, group: PromptGroup) -> bool:
-    pattern = group.metadata.get("answer_format")
-    answer = final_answer(text)
-    if not answer:
-        return False
-    return bool(re.fullmatch(pattern, answer)) if pattern else True
-
-
-class ExactAnswer:
-    name, version = "exact", "1"
-
-    async def verify(self, trajectory: Trajectory, group: PromptGroup, sandbox) -> Verdict:
-        ok_format = answer_format_ok(trajectory.text, group)
-        correct = group.answer is not None and final_answer(trajectory.text) == group.answer.strip()
-        return Verdict(
-            value=1.0 if correct else 0.0,
-            format_error=not ok_format,
-            error_class=None if ok_format else "format",
-            components={"correct": float(correct)},
-        )
-
-
-class FormatCheck:
-    name, version = "format", "1"
-
-    async def verify(self, trajectory: Trajectory, group: PromptGroup, sandbox) -> Verdict:
-        ok = answer_format_ok(trajectory.text, group)
-        return Verdict(value=1.0 if ok else 0.0, format_error=not ok, error_class=None if ok else "format")
-
 
 _HARNESS = """
 
@@ -82,13 +33,14 @@ _sprawl_run_hidden_tests()
 
 
 def extract_code(text: str) -> str | None:
+    """The first fenced Python block (or the whole text), if it defines a function at all."""
     match = _CODE_BLOCK.search(text)
     code = match.group(1) if match else text
     return code if "def " in code else None
 
 
 class CodeTests:
-    name, version = "code_tests", "1"
+    name, version, needs_sandbox = "code_tests", "1", True
 
     async def verify(self, trajectory: Trajectory, group: PromptGroup, sandbox) -> Verdict:
         code = extract_code(trajectory.text)
@@ -118,6 +70,3 @@ class CodeTests:
             verdict.error_class = "test_failed"
             verdict.details = {"failed_test": outcome["failed_test"], "error": outcome.get("error", "")}
         return verdict
-
-
-VERIFIERS = {v.name: v for v in (ExactAnswer(), FormatCheck(), CodeTests())}
