@@ -5,6 +5,12 @@ lives in `<state_dir>/stack/`: server data (which survives a stop/start),
 logs, pid files and `stack.json` with the endpoints. Processes start in their
 own session so a Ctrl-C in the terminal reaches only us, and we stop them in
 order, by pid, leaving no orphans.
+
+A port of 0 means "any free port, chosen at start" (tests, several stacks on one
+host): nats-server binds port -1 and reports what it got in its ports file, and
+SeaweedFS, whose ports are derived from one base, gets a free block and is
+started again on another if a port is taken before it binds. `stack.json`
+records the endpoints in use; `with_endpoints` points settings at them.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -24,24 +31,26 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from pipeline.config import S3BlobSettings, Section, SprawlSettings
+from pipeline.config import S3BlobSettings, Section, SettingsT, SprawlSettings
 from pipeline.errors import StackError
 
 
 class StackSection(Section):
     nats_port: int = 4222
-    """NATS client port (127.0.0.1 only)."""
+    """NATS client port (127.0.0.1 only); 0: any free port."""
     nats_monitor_port: int = 8222
-    """NATS HTTP monitoring port (health checks)."""
+    """NATS HTTP monitoring port (health checks); 0: any free port."""
     s3_port: int = 8333
-    """SeaweedFS S3 port."""
+    """SeaweedFS S3 port; 0: seaweed_port_base + 8."""
     seaweed_port_base: int = 19330
     """SeaweedFS internal ports (master, volume, filer, their gRPC, admin) are base, base+1, ... base+7;
-    the admin gRPC port is admin + 10000 (SeaweedFS's fixed offset)."""
+    the admin gRPC port is admin + 10000 (SeaweedFS's fixed offset). 0: a free block, chosen at start."""
     buckets: list[str] = ["sprawl"]
     """Buckets created at start."""
     start_timeout_s: float = 60.0
     """How long to wait for both servers to become healthy."""
+    seaweed_start_attempts: int = 8
+    """With seaweed_port_base 0: blocks tried when a port is taken between choosing it and binding it."""
     nats_max_payload_bytes: int = 8 * 1024 * 1024
     """Largest message nats-server accepts (sprawl claim-checks events above 256 KiB anyway)."""
 
@@ -57,6 +66,8 @@ class ServerRecord:
     pid: int
     endpoint: str
     log_file: str
+    log_offset: int = 0
+    """Where this start's lines begin in `log_file` (the log is appended to across restarts)."""
 
 
 @dataclass
@@ -81,8 +92,7 @@ def stack_dir(settings: SprawlSettings) -> Path:
     return settings.state_dir.resolve() / "stack"
 
 
-def _seaweed_ports(section: StackSection) -> dict[str, int]:
-    base = section.seaweed_port_base
+def _seaweed_ports(base: int) -> dict[str, int]:
     return {
         "master.port": base,
         "master.port.grpc": base + 1,
@@ -97,15 +107,36 @@ def _seaweed_ports(section: StackSection) -> dict[str, int]:
     }
 
 
-def _all_ports(section: StackSection) -> dict[str, int]:
+def _s3_port(section: StackSection, base: int) -> int:
+    return section.s3_port or base + 8
+
+
+def _fixed_ports(section: StackSection) -> dict[str, int]:
+    """The configured ports (0s are chosen at start, so they are not checked beforehand)."""
     ports = {
         "nats-server client (SPRAWL_STACK__NATS_PORT)": section.nats_port,
         "nats-server monitor (SPRAWL_STACK__NATS_MONITOR_PORT)": section.nats_monitor_port,
         "SeaweedFS S3 (SPRAWL_STACK__S3_PORT)": section.s3_port,
     }
-    for name, port in _seaweed_ports(section).items():
-        ports[f"SeaweedFS {name} (SPRAWL_STACK__SEAWEED_PORT_BASE)"] = port
-    return ports
+    if section.seaweed_port_base:
+        for name, port in _seaweed_ports(section.seaweed_port_base).items():
+            ports[f"SeaweedFS {name} (SPRAWL_STACK__SEAWEED_PORT_BASE)"] = port
+        ports["SeaweedFS S3 (SPRAWL_STACK__S3_PORT)"] = _s3_port(section, section.seaweed_port_base)
+    return {purpose: port for purpose, port in ports.items() if port}
+
+
+# Free SeaweedFS blocks are looked for here: base..base+8 and base+10007 all stay below 20000, clear of
+# the kernel's ephemeral ports (32768+, handed to outgoing connections) and of the configured defaults.
+_AUTO_SEAWEED_BASES = range(2000, 9990)
+
+
+def _free_seaweed_base(s3_port: int) -> int:
+    for _ in range(500):
+        base = random.choice(_AUTO_SEAWEED_BASES)
+        ports = [*_seaweed_ports(base).values(), s3_port or base + 8]
+        if all(port_is_free(p) for p in ports):
+            return base
+    raise StackError("no free block of ports for SeaweedFS", hint="set SPRAWL_STACK__SEAWEED_PORT_BASE")
 
 
 def port_is_free(port: int) -> bool:
@@ -160,7 +191,7 @@ def up(settings: StackSettings) -> StackStatus:
     for binary in _BINARIES.values():
         if shutil.which(binary) is None:
             raise StackError(f"{binary} is not on PATH", hint=f"install it with `{_INSTALL_HINT[binary]}`")
-    for purpose, port in _all_ports(section).items():
+    for purpose, port in _fixed_ports(section).items():
         if not port_is_free(port):
             raise StackError(
                 f"port {port} on 127.0.0.1, needed for {purpose}, is already in use",
@@ -172,23 +203,34 @@ def up(settings: StackSettings) -> StackStatus:
     started: list[ServerRecord] = []
     try:
         started.append(_start_nats(directory, section))
-        started.append(_start_seaweed(directory, section, s3))
+        base = section.seaweed_port_base or _free_seaweed_base(section.s3_port)
+        started.append(_start_seaweed(directory, section, s3, base))
         deadline = time.monotonic() + section.start_timeout_s
-        _wait_nats(started[0], section, deadline)
-        _wait_s3(started[1], section, s3, deadline)
+        nats_url, monitor_url = _nats_endpoints(started[0], section, deadline)
+        _wait_nats(started[0], monitor_url, section, deadline)
+        _wait_seaweed(directory, section, s3, started, deadline)
     except BaseException:
         _stop_servers(started)
         raise
     result = StackStatus(
         state_dir=str(settings.state_dir.resolve()),
-        nats_url=f"nats://127.0.0.1:{section.nats_port}",
-        nats_monitor_url=f"http://127.0.0.1:{section.nats_monitor_port}",
-        s3_endpoint=f"http://127.0.0.1:{section.s3_port}",
+        nats_url=nats_url,
+        nats_monitor_url=monitor_url,
+        s3_endpoint=started[1].endpoint,
         buckets=list(section.buckets),
         servers=started,
     )
     _state_file(directory).write_text(json.dumps(asdict(result), indent=2))
     return result
+
+
+def with_endpoints(settings: SettingsT, st: StackStatus) -> SettingsT:
+    """`settings` pointed at the running stack: its nats URL and S3 endpoint (which are only known once
+    it has started when the configured ports are 0)."""
+    update: dict[str, object] = {"nats": settings.nats.model_copy(update={"url": st.nats_url})}
+    if isinstance(settings.blobs, S3BlobSettings):
+        update["blobs"] = settings.blobs.model_copy(update={"endpoint_url": st.s3_endpoint})
+    return settings.model_copy(update=update)
 
 
 def down(settings: SprawlSettings) -> list[str]:
@@ -222,7 +264,10 @@ def _stop_servers(servers: list[ServerRecord], timeout_s: float = 15.0) -> list[
             time.sleep(0.05)
         if _pid_alive(server.pid, _BINARIES[server.name]):
             os.kill(server.pid, signal.SIGKILL)
-            time.sleep(0.2)
+            deadline = time.monotonic() + timeout_s
+            while _pid_alive(server.pid, _BINARIES[server.name]) and time.monotonic() < deadline:
+                _reap(server.pid)
+                time.sleep(0.05)
         _reap(server.pid)
         stopped.append(f"{server.name} (pid {server.pid})")
     return stopped
@@ -236,6 +281,7 @@ def _reap(pid: int) -> None:
 
 def _spawn(name: str, argv: list[str], directory: Path) -> ServerRecord:
     log_path = directory / f"{name}.log"
+    log_offset = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(
             argv,
@@ -246,31 +292,53 @@ def _spawn(name: str, argv: list[str], directory: Path) -> ServerRecord:
             start_new_session=True,
         )
     (directory / f"{name}.pid").write_text(str(proc.pid))
-    return ServerRecord(name=name, pid=proc.pid, endpoint="", log_file=str(log_path))
+    return ServerRecord(name=name, pid=proc.pid, endpoint="", log_file=str(log_path), log_offset=log_offset)
 
 
 def _start_nats(directory: Path, section: StackSection) -> ServerRecord:
     store = directory / "nats"
     store.mkdir(parents=True, exist_ok=True)
     conf = directory / "nats.conf"
+    for stale in directory.glob("nats-server_*.ports"):  # left by a server that was SIGKILLed
+        stale.unlink(missing_ok=True)
     conf.write_text(
         "\n".join(
             [
                 "server_name: sprawl_local",
-                f"listen: 127.0.0.1:{section.nats_port}",
-                f"http: 127.0.0.1:{section.nats_monitor_port}",
+                # -1: the kernel picks a free port as the server binds, so nobody can take it in between.
+                f"listen: 127.0.0.1:{section.nats_port or -1}",
+                f"http: 127.0.0.1:{section.nats_monitor_port or -1}",
+                # nats-server writes the ports it bound to nats-server_<pid>.ports here.
+                f"ports_file_dir: {json.dumps(str(directory))}",
                 f"max_payload: {section.nats_max_payload_bytes}",
                 f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n}}",
                 "",
             ]
         )
     )
-    record = _spawn("nats", [shutil.which("nats-server") or "nats-server", "-c", str(conf)], directory)
-    record.endpoint = f"nats://127.0.0.1:{section.nats_port}"
-    return record
+    return _spawn("nats", [shutil.which("nats-server") or "nats-server", "-c", str(conf)], directory)
 
 
-def _start_seaweed(directory: Path, section: StackSection, s3: S3BlobSettings) -> ServerRecord:
+def _nats_endpoints(record: ServerRecord, section: StackSection, deadline: float) -> tuple[str, str]:
+    """The client URL and monitoring URL nats-server bound, from its ports file."""
+    ports_file = Path(record.log_file).parent / f"nats-server_{record.pid}.ports"
+    while True:
+        _check_alive(record)
+        try:
+            ports = json.loads(ports_file.read_text())
+            record.endpoint = ports["nats"][0]
+            return record.endpoint, ports["monitoring"][0]
+        except (FileNotFoundError, ValueError, KeyError, IndexError):
+            pass  # not written yet, or half written
+        if time.monotonic() > deadline:
+            raise StackError(
+                f"nats-server did not report its ports within {section.start_timeout_s:.0f}s",
+                hint=f"see {record.log_file}",
+            )
+        time.sleep(0.05)
+
+
+def _start_seaweed(directory: Path, section: StackSection, s3: S3BlobSettings, base: int) -> ServerRecord:
     data = directory / "seaweedfs"
     data.mkdir(parents=True, exist_ok=True)
     identities = directory / "s3-identities.json"
@@ -295,7 +363,7 @@ def _start_seaweed(directory: Path, section: StackSection, s3: S3BlobSettings) -
         f"-dir={data}",
         "-ip=127.0.0.1",
         "-ip.bind=127.0.0.1",
-        f"-s3.port={section.s3_port}",
+        f"-s3.port={_s3_port(section, base)}",
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
         "-webdav=false",
@@ -303,31 +371,62 @@ def _start_seaweed(directory: Path, section: StackSection, s3: S3BlobSettings) -
         "-s3.autoCreateBucket=false",
         f"-s3.config={identities}",
         f"-bucket={','.join(section.buckets)}",
-    ] + [f"-{flag}={port}" for flag, port in _seaweed_ports(section).items()]
+    ] + [f"-{flag}={port}" for flag, port in _seaweed_ports(base).items()]
     record = _spawn("seaweedfs", argv, directory)
-    record.endpoint = f"http://127.0.0.1:{section.s3_port}"
+    record.endpoint = f"http://127.0.0.1:{_s3_port(section, base)}"
     return record
 
 
-def _tail(path: str, lines: int = 5) -> str:
+def _wait_seaweed(
+    directory: Path, section: StackSection, s3: S3BlobSettings, started: list[ServerRecord], deadline: float
+) -> None:
+    """Wait for `started[-1]` (SeaweedFS) to serve S3. With an automatic base, a port taken between
+    choosing the block and binding it starts it again on another block (it replaces `started[-1]`)."""
+    attempts = section.seaweed_start_attempts if not section.seaweed_port_base else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            _wait_s3(started[-1], section, s3, deadline)
+            return
+        except _PortClash as clash:
+            if attempt == attempts:
+                raise StackError(
+                    clash.message,
+                    hint="choose other ports with SPRAWL_STACK__SEAWEED_PORT_BASE / SPRAWL_STACK__S3_PORT, "
+                    "or 0 for free ones",
+                ) from clash
+        _stop_servers([started.pop()])
+        base = _free_seaweed_base(section.s3_port)
+        started.append(_start_seaweed(directory, section, s3, base))
+
+
+def _log_since(path: str, offset: int) -> list[str]:
     try:
-        text = Path(path).read_text(errors="replace").strip().splitlines()
+        with open(path, "rb") as log_file:
+            log_file.seek(offset)
+            return log_file.read().decode(errors="replace").strip().splitlines()
     except FileNotFoundError:
-        return ""
-    return " | ".join(text[-lines:])
+        return []
+
+
+class _PortClash(StackError):
+    """A server exited because a port it was given was taken (by the time it bound it)."""
+
+
+_CLASH_MARKERS = ("address already in use", "port allocation failed", "is not available")
 
 
 def _check_alive(record: ServerRecord) -> None:
     _reap(record.pid)
     if not _pid_alive(record.pid, _BINARIES[record.name]):
-        raise StackError(
-            f"{record.name} exited during start-up: {_tail(record.log_file)}",
-            hint=f"see {record.log_file}",
-        )
+        lines = _log_since(record.log_file, record.log_offset)
+        error = StackError
+        if any(marker in line.lower() for line in lines for marker in _CLASH_MARKERS):
+            error = _PortClash
+        raise error(f"{record.name} exited during start-up: {' | '.join(lines[-5:])}", hint=f"see {record.log_file}")
 
 
-def _wait_nats(record: ServerRecord, section: StackSection, deadline: float) -> None:
-    url = f"http://127.0.0.1:{section.nats_monitor_port}/healthz?js-enabled-only=true"
+def _wait_nats(record: ServerRecord, monitor_url: str, section: StackSection, deadline: float) -> None:
+    url = f"{monitor_url}/healthz?js-enabled-only=true"
     while True:
         _check_alive(record)
         try:
@@ -353,7 +452,7 @@ def _wait_s3(record: ServerRecord, section: StackSection, s3: S3BlobSettings, de
         store = S3BlobStore(
             s3.model_copy(
                 update={
-                    "endpoint_url": f"http://127.0.0.1:{section.s3_port}",
+                    "endpoint_url": record.endpoint,
                     "bucket": bucket,
                     "max_attempts": 1,
                     "connect_timeout_s": 1.0,

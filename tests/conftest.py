@@ -1,4 +1,4 @@
-"""Fixtures: one real nats-server + SeaweedFS per test session, on free ports, stopped by pid."""
+"""Fixtures: one real nats-server + SeaweedFS per test session, on ports chosen as they bind, stopped by pid."""
 
 from __future__ import annotations
 
@@ -9,14 +9,13 @@ from infra.stack import StackSettings
 from infra.streams import apply
 from pipeline.eventlog import EventLog
 from pipeline.logs import configure_logging
-from tests.servers import new_run_id, stack_settings
+from tests.servers import new_run_id, start_stack
 
 
 @pytest.fixture(scope="session")
 def stack_session(tmp_path_factory: pytest.TempPathFactory) -> StackSettings:
     configure_logging("tests", fmt="json", level="WARNING")
-    settings = stack_settings(tmp_path_factory.mktemp("stack"))
-    stack.up(settings)
+    settings = start_stack(tmp_path_factory.mktemp("stack"))
     try:
         yield settings
     finally:

@@ -1,4 +1,10 @@
-"""Helpers for tests that run real servers: free ports and a stack under a temp state dir."""
+"""Helpers for tests that run real servers: a stack under a temp state dir, on ports nobody can steal.
+
+`start_stack` is the race-free way: the stack is configured with port 0 everywhere, nats-server
+binds a port the kernel picks (and reports it), SeaweedFS is started again on another block if one
+of its ports is taken before it binds, and the settings returned point at what is actually running.
+Stop it with `stack.down(settings)`, by the pids recorded under its state dir.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,39 @@ from infra import stack
 from infra.stack import StackSection, StackSettings
 from pipeline.config import LogSettings, NatsSettings, S3BlobSettings, StreamSettings
 
+# Short timers so redelivery happens within a test, not after 30 s.
+TEST_STREAMS = StreamSettings(ack_wait_s=2.0, backoff_s=[2.0, 2.0, 2.0], max_deliver=4, duplicate_window_s=120.0)
+
+START_TIMEOUT_S = 180.0
+"""A hang guard for server start-up, generous because four suites may be starting stacks on two cores."""
+
+
+def auto_stack_settings(state_dir: Path, run_id: str = "test", **ports: int) -> StackSettings:
+    """Settings for a stack whose ports are chosen as it starts (0), except those given in `ports`.
+    Its endpoints are known once it runs: `stack.with_endpoints(settings, stack.up(settings))`."""
+    section = StackSection(
+        **{"nats_port": 0, "nats_monitor_port": 0, "s3_port": 0, "seaweed_port_base": 0, **ports},
+        start_timeout_s=START_TIMEOUT_S,
+    )
+    return StackSettings(
+        run_id=run_id,
+        state_dir=state_dir,
+        log_format="json",
+        stack=section,
+        log=LogSettings(publish_attempts=4, publish_backoff_s=0.1),
+        streams=TEST_STREAMS,
+    )
+
+
+def start_stack(state_dir: Path, run_id: str = "test") -> StackSettings:
+    """Start a stack on free ports; the settings returned point at it."""
+    settings = auto_stack_settings(state_dir, run_id)
+    return stack.with_endpoints(settings, stack.up(settings))
+
 
 def free_port() -> int:
+    """A port free at this moment. Racy (another process can take it before a server binds it):
+    prefer `start_stack`."""
     for _ in range(200):
         port = random.randint(20000, 29999)
         if stack.port_is_free(port):
@@ -20,7 +57,8 @@ def free_port() -> int:
 
 
 def free_seaweed_base() -> int:
-    """A base whose 8 ports and the admin gRPC port (admin + 10000) are all free."""
+    """A base whose 8 ports and the admin gRPC port (admin + 10000) are free at this moment. Racy, as
+    `free_port`."""
     for _ in range(200):
         base = random.randint(30000, 40000)
         ports = [*range(base, base + 8), base + 7 + 10000]
@@ -29,17 +67,15 @@ def free_seaweed_base() -> int:
     raise RuntimeError("no free SeaweedFS port block found")
 
 
-# Short timers so redelivery happens within a test, not after 30 s.
-TEST_STREAMS = StreamSettings(ack_wait_s=2.0, backoff_s=[2.0, 2.0, 2.0], max_deliver=4, duplicate_window_s=120.0)
-
-
 def stack_settings(state_dir: Path, run_id: str = "test") -> StackSettings:
+    """Fixed ports chosen now, for tests that need to know them before the stack starts (a `sprawl up`
+    subprocess, a restart on the same ports). Racy, as `free_port`: prefer `start_stack`."""
     section = StackSection(
         nats_port=free_port(),
         nats_monitor_port=free_port(),
         s3_port=free_port(),
         seaweed_port_base=free_seaweed_base(),
-        start_timeout_s=90.0,
+        start_timeout_s=START_TIMEOUT_S,
     )
     return StackSettings(
         run_id=run_id,
