@@ -7,23 +7,29 @@ import time
 
 from workers.up.supervisor import Supervisor, WorkerSpec
 
+HANG_GUARD_S = 300.0
+"""How long a condition that must come true may take before the test calls it broken (never a measure:
+python start-ups on a loaded machine take what they take)."""
+
 
 def _spec(name: str, code: str) -> WorkerSpec:
     return WorkerSpec(name, [sys.executable, "-c", code], dict(os.environ))
 
 
-def _poll_until(supervisor: Supervisor, condition, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
+def _wait_for(condition, step=None) -> None:
+    """Until `condition()` holds (calling `step()` between looks), within the hang guard."""
+    deadline = time.monotonic() + HANG_GUARD_S
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
-        supervisor.poll()
+        if step is not None:
+            step()
         time.sleep(0.05)
 
 
 def test_a_crashing_worker_is_restarted_with_growing_backoff(tmp_path):
     supervisor = Supervisor(tmp_path, backoff_initial_s=0.1, backoff_max_s=0.4, healthy_after_s=60)
     worker = supervisor.add(_spec("crasher", "import sys; print('boom'); sys.exit(3)"))
-    _poll_until(supervisor, lambda: worker.restarts >= 3)
+    _wait_for(lambda: worker.restarts >= 3, supervisor.poll)
     supervisor.stop()
     assert worker.last_exit == 3
     assert worker.backoff_s == 0.4  # 0.1, 0.2, 0.4: doubled, then capped
@@ -36,11 +42,11 @@ def test_a_crashing_worker_is_restarted_with_growing_backoff(tmp_path):
 def test_a_worker_that_exits_zero_has_finished_and_is_not_restarted(tmp_path):
     supervisor = Supervisor(tmp_path, backoff_initial_s=0.05)
     worker = supervisor.add(_spec("done", "pass"))
-    _poll_until(supervisor, lambda: worker.finished)
-    for _ in range(5):
-        supervisor.poll()
-        time.sleep(0.05)
-    assert worker.restarts == 0 and worker.state == "finished"
+    _wait_for(lambda: worker.finished, supervisor.poll)
+    # Past its backoff, a crashed worker would be started again at the next poll: a finished one is not.
+    time.sleep(supervisor.backoff_initial_s * 2)
+    supervisor.poll()
+    assert worker.restarts == 0 and worker.state == "finished" and worker.process is None
 
 
 def test_stop_leaves_no_process_behind_even_a_grandchild_or_one_ignoring_sigterm(tmp_path):
@@ -53,17 +59,12 @@ def test_stop_leaves_no_process_behind_even_a_grandchild_or_one_ignoring_sigterm
         "time.sleep(600)\n"
     )
     worker = supervisor.add(_spec("stubborn", code))
-    deadline = time.monotonic() + 20
-    while not worker.log_file.read_text().strip():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    _wait_for(lambda: worker.log_file.read_text().strip())  # the grandchild's pid: both are running
     grandchild = int(worker.log_file.read_text().split()[0])
     supervisor.stop(grace_s=0.5)
     assert supervisor.alive_pids() == []
-    deadline = time.monotonic() + 5
-    while os.path.exists(f"/proc/{grandchild}") and "Z" not in _state(grandchild):
-        assert time.monotonic() < deadline, "the worker's child survived the stop"
-        time.sleep(0.05)
+    # SIGKILLed with its process group; gone (or a zombie) as soon as the kernel has torn it down.
+    _wait_for(lambda: not os.path.exists(f"/proc/{grandchild}") or "Z" in _state(grandchild))
 
 
 def _state(pid: int) -> str:
