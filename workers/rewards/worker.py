@@ -18,11 +18,12 @@ import time
 
 from pipeline.config import SprawlSettings
 from pipeline.consumer import Consumer, Delivery
-from pipeline.errors import PoisonEvent
+from pipeline.errors import PoisonEvent, TransientError
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
 from pipeline.replay import tail
 from pipeline.sandbox import Sandbox, SandboxSettings, SandboxUnavailable, open_sandbox
+from pipeline.topology import PROMPTS, ConsumerRole, consumer_for, prompts_filter
 from schemas import PromptGroup, Reward, Trajectory
 from workers.lifecycle import run_connected
 from workers.rewards.verifiers import Verifier, verifier
@@ -79,7 +80,7 @@ class RewardWorker:
         self.verified = 0
 
     async def _follow_prompts(self, stop: asyncio.Event) -> None:
-        async for item in tail(self.log, "PROMPTS", f"rl.{self.settings.run_id}.prompts", 1, stop):
+        async for item in tail(self.log, PROMPTS.name, prompts_filter(self.settings.run_id), 1, stop):
             if isinstance(item.event, PromptGroup):
                 async with self._group_seen:
                     self.groups[item.event.group_id] = item.event
@@ -93,7 +94,7 @@ class RewardWorker:
                     self.settings.prompt_wait_s,
                 )
             except TimeoutError:
-                raise RuntimeError(f"prompt group {trajectory.group_id} not seen yet") from None  # nak: retry later
+                raise TransientError(f"prompt group {trajectory.group_id} not seen yet") from None  # nak: retry later
         return self.groups[trajectory.group_id]
 
     async def handle(self, delivery: Delivery) -> None:
@@ -131,20 +132,27 @@ class RewardWorker:
         if self.sandbox is not None:
             await self.sandbox.start()
         prompts = asyncio.create_task(self._follow_prompts(stop))
+        trajectories = consumer_for(self.settings.run_id, ConsumerRole.REWARDS)
         consumer = Consumer(
             self.log,
-            "TRAJECTORIES",
-            f"{self.settings.run_id}-rewards",
+            trajectories.stream.name,
+            trajectories.name,
             self.handle,
             batch=self.settings.concurrency,
             concurrency=self.settings.concurrency,
             fetch_timeout_s=0.5,
         )
+        rewarding = asyncio.create_task(consumer.run(stop))
         try:
-            await consumer.run(stop)
+            await asyncio.wait({rewarding, prompts}, return_when=asyncio.FIRST_COMPLETED)
+            if prompts.done():  # without the prompt projection every trajectory would wait, then dead-letter
+                stop.set()
+                await rewarding
+                prompts.result()
+            await rewarding
         finally:
             prompts.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
+            with contextlib.suppress(asyncio.CancelledError):
                 await prompts
             if self.sandbox is not None:
                 await self.sandbox.close()
