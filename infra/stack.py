@@ -228,7 +228,7 @@ def with_endpoints(settings: SettingsT, st: StackStatus) -> SettingsT:
     """`settings` pointed at the running stack: its nats URL and S3 endpoint (which are only known once
     it has started when the configured ports are 0)."""
     update: dict[str, object] = {"nats": settings.nats.model_copy(update={"url": st.nats_url})}
-    if isinstance(settings.blobs, S3BlobSettings):
+    if settings.blobs.type == "s3":  # a local-folder blob store has no endpoint to point
         update["blobs"] = settings.blobs.model_copy(update={"endpoint_url": st.s3_endpoint})
     return settings.model_copy(update=update)
 

@@ -46,11 +46,18 @@ def start_stack(state_dir: Path, run_id: str = "test") -> StackSettings:
     return stack.with_endpoints(settings, stack.up(settings))
 
 
+# Fixed ports are drawn from ranges no automatic choice uses: not the kernel's ephemeral ports (32768+,
+# which nats-server's port -1 and every outgoing connection get), not infra.stack's automatic SeaweedFS
+# blocks (2000-9997 and 12007-19996). That narrows their race to other fixed-port users.
+_FIXED_PORTS = range(22010, 30000)
+_FIXED_SEAWEED_BASES = range(10000, 12000)  # base..base+8 and base+10007 (20007-22006)
+
+
 def free_port() -> int:
     """A port free at this moment. Racy (another process can take it before a server binds it):
     prefer `start_stack`."""
     for _ in range(200):
-        port = random.randint(20000, 29999)
+        port = random.choice(_FIXED_PORTS)
         if stack.port_is_free(port):
             return port
     raise RuntimeError("no free port found")
@@ -60,7 +67,7 @@ def free_seaweed_base() -> int:
     """A base whose 8 ports and the admin gRPC port (admin + 10000) are free at this moment. Racy, as
     `free_port`."""
     for _ in range(200):
-        base = random.randint(30000, 40000)
+        base = random.choice(_FIXED_SEAWEED_BASES)
         ports = [*range(base, base + 8), base + 7 + 10000]
         if all(stack.port_is_free(p) for p in ports):
             return base

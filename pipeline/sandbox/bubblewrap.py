@@ -188,19 +188,27 @@ class BwrapSandboxPool:
         task.add_done_callback(self._spawning.discard)
 
     async def _spawn_into_pool(self) -> None:
-        warm = await self._spawn()
+        try:
+            warm = await self._spawn()
+        except (OSError, SandboxUnavailable) as exc:  # out of fds, say: the next run starts one cold, or says why
+            log.error("could not start a warm sandbox", error=repr(exc))
+            return
         await self._ready.put(warm)
 
     async def _spawn(self) -> _Warm:
         assert self.lease is not None, "start() the pool first"
         slot = await self._free_slots.get()
         uid = self.lease.uid(slot)
-        proc = ProgramProcess.start(
-            bwrap_argv(self.settings, uid),
-            self.settings,
-            env={"PATH": "/usr/bin"},
-            helper_uid=uid if self._subreaper else None,
-        )
+        try:
+            proc = ProgramProcess.start(
+                bwrap_argv(self.settings, uid),
+                self.settings,
+                env={"PATH": "/usr/bin"},
+                helper_uid=uid if self._subreaper else None,
+            )
+        except BaseException:
+            self._free_slots.put_nowait(slot)  # the slot was never used: a failed start must not shrink the pool
+            raise
         self._live.add(proc.pid)
         return _Warm(proc, f"bwrap-{uid}-{uuid.uuid4().hex[:8]}", slot)
 

@@ -173,7 +173,7 @@ class ProgramProcess:
         for: bwrap sets its init's parent-death signal only after `clone`, so a sandbox killed right
         as it starts can leave an init that would otherwise live on."""
         cpu = 0.0
-        with contextlib.suppress(TimeoutError):  # give up: the pool's reaper collects it later
+        with contextlib.suppress(TimeoutError):  # give up: reap_orphans collects it before the uid is reused
             async with asyncio.timeout(_DRAIN_S):
                 while helpers := [pid for pid in child_pids() if uid_of(pid) == self.helper_uid]:
                     for pid in helpers:
