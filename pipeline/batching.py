@@ -50,7 +50,17 @@ class GroupBatchItem:
 
 
 class BatchAssembler:
+    """Complete groups in, batches of `groups_per_batch` out. The trainer passes its settings'
+    `groups_per_batch`, `group_size` and `max_group_wait_s` (validated there); other callers get the
+    same bounds checked here, since an empty batch would be an update on nothing."""
+
     def __init__(self, *, groups_per_batch: int, default_group_size: int, max_wait_s: float):
+        if groups_per_batch < 1 or default_group_size < 1:
+            raise ValueError(
+                f"groups_per_batch ({groups_per_batch}) and default_group_size ({default_group_size}) must be >= 1"
+            )
+        if not max_wait_s > 0:
+            raise ValueError(f"max_wait_s must be > 0, got {max_wait_s}")
         self.groups_per_batch = groups_per_batch
         self.default_group_size = default_group_size
         self.max_wait_s = max_wait_s

@@ -1,5 +1,7 @@
 """Joining trajectories and rewards into groups: order, completeness, drops, use-once."""
 
+import pytest
+
 from pipeline.batching import BatchAssembler
 from schemas import IslandIdentity, Reward, Trajectory, VersionSpan
 
@@ -92,3 +94,13 @@ def test_incomplete_groups_are_dropped_with_a_reason_after_the_wait():
     assert a.positions(20, 30) == (20, 30)
     a.add_trajectory(_traj("slow", 1, n=3), 12, 12.0)  # a straggler of a dropped group starts a new one
     assert "slow-0" in a.used
+
+
+def test_an_assembler_that_could_only_make_empty_batches_is_refused():
+    for bad in (
+        {"groups_per_batch": 0, "default_group_size": 2, "max_wait_s": 1.0},
+        {"groups_per_batch": 1, "default_group_size": 0, "max_wait_s": 1.0},
+        {"groups_per_batch": 1, "default_group_size": 2, "max_wait_s": 0.0},
+    ):
+        with pytest.raises(ValueError):
+            BatchAssembler(**bad)

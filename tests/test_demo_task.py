@@ -2,7 +2,11 @@
 
 import random
 
-from workers.up.demo_task import BOS, TaskConfig, build_tokenizer, pass_rate, problem, warmed_up_model
+import pytest
+from pydantic import ValidationError
+
+from workers.up.demo_task import BOS, build_tokenizer, pass_rate, problem, warmed_up_model
+from workers.up.options import TaskSettings
 
 
 def test_tokenizer_is_built_from_the_alphabet_and_round_trips():
@@ -14,7 +18,7 @@ def test_tokenizer_is_built_from_the_alphabet_and_round_trips():
 
 
 def test_warmup_is_cached_and_beats_an_untrained_model(tmp_path):
-    cfg = TaskConfig(digits=1, warmup_steps=60, warmup_batch=32)
+    cfg = TaskSettings(digits=1, warmup_steps=60, warmup_batch=32)
     first = warmed_up_model(tmp_path, cfg)
     assert (first / "tokenizer.json").exists()
     stamp = (first / "config.json").stat().st_mtime_ns
@@ -24,3 +28,9 @@ def test_warmup_is_cached_and_beats_an_untrained_model(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(first)
     assert pass_rate(model, build_tokenizer(), cfg, n=48) > 0.2  # random guessing is about 1 in 20
+
+
+def test_task_settings_have_bounds():
+    for bad in ({"digits": 0}, {"digits": 20}, {"warmup_batch": 0}, {"warmup_lr": 0}, {"warmup_steps": -1}):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            TaskSettings(**bad)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pipeline.off_policy import LossConfig, full_vocab_centering_loss, grpo_advantages, policy_loss
+from pipeline.off_policy import LossSection, full_vocab_centering_loss, grpo_advantages, policy_loss
 from pipeline.routing_replay import moe_gates, replay_routing
 from tests.tiny_models import tiny_moe
 
@@ -26,7 +26,7 @@ def _top(mu_logp_all: torch.Tensor, k: int):
     return ids, values, torch.isfinite(values)
 
 
-PLAIN = LossConfig(importance="none", score_centering=False, mask_replay=False)
+PLAIN = LossSection(importance="none", score_centering=False, mask_replay=False)
 
 
 def test_score_centering_logit_gradient_is_minus_a_times_onehot_minus_mu():
@@ -43,7 +43,7 @@ def test_top_k_centering_equals_full_vocabulary_when_k_covers_the_support():
     mask = torch.ones(B, T, dtype=torch.bool)
     mu_logp = torch.log_softmax(torch.randn(B, T, V), dim=-1)
     ids, values, valid = _top(mu_logp, V)
-    cfg = LossConfig(importance="none", score_centering=True, mask_replay=False)
+    cfg = LossSection(importance="none", score_centering=True, mask_replay=False)
     ours = (
         policy_loss(
             logits,
@@ -67,17 +67,17 @@ def test_top_k_centering_equals_full_vocabulary_when_k_covers_the_support():
 @pytest.mark.parametrize(
     "cfg",
     [
-        LossConfig(importance="tis", score_centering=True, mask_replay=False),
-        LossConfig(importance="mis", score_centering=True, mask_replay=False),
-        LossConfig(importance="mis", importance_level="sequence", score_centering=False, mask_replay=False),
-        LossConfig(
+        LossSection(importance="tis", score_centering=True, mask_replay=False),
+        LossSection(importance="mis", score_centering=True, mask_replay=False),
+        LossSection(importance="mis", importance_level="sequence", score_centering=False, mask_replay=False),
+        LossSection(
             importance="tis",
             importance_level="sequence",
             geometric_rejection=True,
             score_centering=True,
             mask_replay=False,
         ),
-        LossConfig(importance="mis", surrogate="ppo", score_centering=True, mask_replay=False),
+        LossSection(importance="mis", surrogate="ppo", score_centering=True, mask_replay=False),
     ],
 )
 def test_with_mu_equal_pi_every_correction_reduces_to_plain_pg(cfg):
@@ -97,7 +97,12 @@ def test_mis_masks_exactly_the_out_of_range_tokens():
     pi = torch.log_softmax(logits.detach(), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
     log_rho = torch.tensor([0.0, -1.0, 2.0, 0.3, -0.5]).repeat(B, 1)  # rho = 1, .37, 7.4, 1.35, .61
     out = policy_loss(
-        logits, targets, adv, mask, pi - log_rho, LossConfig(importance="mis", score_centering=False, mask_replay=False)
+        logits,
+        targets,
+        adv,
+        mask,
+        pi - log_rho,
+        LossSection(importance="mis", score_centering=False, mask_replay=False),
     )
     expected_low = (log_rho.exp() < 0.5) & mask
     expected_high = (log_rho.exp() > 5.0) & mask
@@ -123,7 +128,7 @@ def test_mask_replay_gives_the_samplers_renormalized_logprob():
         adv,
         mask,
         sampled,
-        LossConfig(importance="mis", score_centering=False),
+        LossSection(importance="mis", score_centering=False),
         temperature=temperature,
         kept=kept,
     )
@@ -170,3 +175,96 @@ def test_routing_replay_selects_the_given_experts():
             expected = expected / expected.sum(-1, keepdim=True)
         assert torch.allclose(weights.float(), expected, atol=1e-6)
     assert not torch.allclose(own_logits, replayed_logits)
+
+
+# ---------------------------------------------------------------- the registry of corrections
+
+
+def test_correction_specs_map_through_the_registry():
+    from pipeline.off_policy import CORRECTIONS, apply_spec, correction_spec, loss_fields
+
+    assert loss_fields("sc+mis+mask") == {
+        "score_centering": True,
+        "importance": "mis",
+        "mask_replay": True,
+        "geometric_rejection": False,
+        "importance_level": "token",
+        "surrogate": "pg",
+    }
+    assert loss_fields("none") == loss_fields("") == {c.field: c.off for c in CORRECTIONS.values()}
+    assert loss_fields("tis,seq,ppo")["importance_level"] == "sequence"
+    assert correction_spec(LossSection()) == "sc+mis+mask"  # the trainer's default loss
+    for spec in ("none", "sc", "mis+seq", "sc+tis+mask+geo+ppo", "mis+mask"):
+        assert correction_spec(apply_spec(LossSection(), spec)) == spec
+    with pytest.raises(ValueError, match=r"unknown correction 'magic': combine sc, mis, tis, mask, geo, seq, ppo"):
+        loss_fields("sc+magic")
+    with pytest.raises(ValueError, match="'tis' and 'mis' both set `importance`"):
+        loss_fields("tis+mis")
+    with pytest.raises(ValueError, match="'sequence' needs importance 'tis' or 'mis'"):
+        apply_spec(LossSection(), "seq")  # a sequence level without a weight would change nothing
+
+
+def test_bad_loss_settings_fail_naming_the_field():
+    from pydantic import ValidationError
+
+    from pipeline.config import validation_lines
+
+    for bad, field in (
+        ({"importance_level": "Token"}, "importance_level"),
+        ({"importance": "MIS"}, "importance"),
+        ({"mis_low": 5.0, "mis_high": 0.5}, "mis_high: must be above mis_low (5.0)"),
+        ({"geometric_low": 3.0}, "geometric_high"),
+        ({"tis_cap": 0}, "tis_cap"),
+        ({"ppo_clip": 1.5}, "ppo_clip"),
+    ):
+        with pytest.raises(ValidationError) as caught:
+            LossSection(**bad)
+        assert field in "\n".join(validation_lines(caught.value)), bad
+
+
+def _zero_term_hook():
+    """A correction module's hook class, as a new correction file would define it."""
+    from pipeline.off_policy.hooks import ScoreTerm
+
+    class ZeroTerm(ScoreTerm):
+        calls = 0
+
+        def per_token(self, logp_all, cfg, top_ids, top_logp, top_valid, token_weight):
+            ZeroTerm.calls += 1
+            return logp_all.sum(-1) * 0.0
+
+    return ZeroTerm
+
+
+ZeroTerm = _zero_term_hook()
+
+
+def test_a_new_correction_is_one_hook_class_and_one_registry_entry(monkeypatch):
+    from pipeline.off_policy import CORRECTIONS, Correction, loss_fields
+    from pipeline.off_policy.loss import loss_plan
+
+    entry = Correction("lnorm", "length normalization", "length_normalization", True, False, f"{__name__}:ZeroTerm")
+    monkeypatch.setitem(CORRECTIONS, "lnorm", entry)
+    loss_plan.cache_clear()
+    try:
+        cfg = LossSection(**loss_fields("lnorm"))
+        assert cfg.length_normalization and not cfg.score_centering
+        logits, targets, adv, mask = _setup(5)
+        sampled = torch.log_softmax(logits.detach(), -1).gather(-1, targets[..., None]).squeeze(-1)
+        before = ZeroTerm.calls
+        plain = policy_loss(logits, targets, adv, mask, sampled, cfg.model_copy(update={"length_normalization": False}))
+        out = policy_loss(logits, targets, adv, mask, sampled, cfg)
+        assert ZeroTerm.calls == before + 1 and torch.isfinite(out.loss) and not torch.equal(out.loss, plain.loss)
+    finally:
+        loss_plan.cache_clear()
+
+
+def test_the_package_imports_without_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pipeline.off_policy as o, workers.trainer.settings; "
+        "o.loss_fields('sc+mis+mask'); assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

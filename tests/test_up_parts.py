@@ -1,33 +1,98 @@
-"""The parts of `sprawl up` that need no servers: options, run identity, the reward comparison,
-the byte totals and the live view's rendering."""
+"""The parts of `sprawl up` that need no servers: options, the workers' settings files, run identity,
+the reward comparison, the byte totals and the live view's rendering."""
+
+import os
+import stat
+import tomllib
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 from rich.console import Console
 
+from pipeline.config import load_settings
 from schemas import TrainerMetrics
 from workers.up.live_view import render, sparkline
 from workers.up.monitor import RunState, VersionRecord
-from workers.up.orchestrate import UpOptions, choose_run_id, loss_fields, remember_run
+from workers.up.options import UpOptions, UpSettings, correction_of, island_views, run_settings
+from workers.up.orchestrate import choose_run_id, remember_run, worker_plans, worker_specs
 
 
-def test_correction_names_map_to_trainer_loss_settings():
-    assert loss_fields("sc+mis+mask") == {"score_centering": True, "mask_replay": True, "importance": "mis"}
-    assert loss_fields("none") == {"score_centering": False, "mask_replay": False, "importance": "none"}
-    assert loss_fields("tis,seq,ppo")["importance_level"] == "sequence"
-    with pytest.raises(ValueError, match="unknown correction 'magic'"):
-        loss_fields("sc+magic")
+def test_the_correction_option_sets_the_trainers_loss_through_the_registry():
+    settings = UpSettings()
+    assert correction_of(settings) == "sc+mis+mask"  # the trainer's default loss
+    chosen = run_settings(UpOptions(correction="tis,seq,ppo"), settings)
+    assert chosen.trainer.loss.importance == "tis" and chosen.trainer.loss.importance_level == "sequence"
+    assert chosen.trainer.loss.surrogate == "ppo" and not chosen.trainer.loss.score_centering
+    assert correction_of(chosen) == "tis+seq+ppo"
+    assert chosen.trainer.groups_per_batch == settings.trainer.groups_per_batch  # the rest is kept
+    with pytest.raises(ValidationError, match="unknown correction 'magic'"):
+        UpOptions(correction="sc+magic")
 
 
 def test_options_accept_view_aliases_and_refuse_nonsense():
     options = UpOptions(views="bf16,fp8", islands=3)
     assert options.views == ["bf16", "fp8_e4m3"]
-    assert options.island_views() == ["bf16", "fp8_e4m3", "bf16"]
+    assert island_views(options, UpSettings()) == ["bf16", "fp8_e4m3", "bf16"]
+    assert run_settings(UpOptions(views="fp8"), UpSettings()).chain.views == ["fp8_e4m3"]
+    assert island_views(UpOptions(islands=3), UpSettings(chain={"views": ["fp8_e4m3"]})) == ["fp8_e4m3"] * 3
     assert UpOptions(quick=True).target_versions < UpOptions().target_versions
     with pytest.raises(ValidationError, match="unknown view 'int4'"):
         UpOptions(views="bf16,int4")
-    with pytest.raises(ValidationError, match="at least 1"):
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
         UpOptions(islands=0)
+
+
+def test_versions_below_one_are_refused():
+    # `--versions -5` used to be accepted and "trained to" a version below the head
+    for bad in (-5, 0):
+        with pytest.raises(ValidationError, match="versions"):
+            UpOptions(versions=bad)
+    assert UpOptions(versions=1).target_versions == 1
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("SPRAWL_"):
+            monkeypatch.delenv(name)
+
+
+def test_each_worker_gets_a_private_settings_file_it_validates(clean_env, monkeypatch, tmp_path):
+    settings = run_settings(
+        UpOptions(views="bf16,fp8", correction="sc+tis"),
+        UpSettings(run_id="r1", state_dir=tmp_path / "state", trainer={"group_size": 4}),
+    )
+    plans = worker_plans(settings, UpOptions(views="bf16,fp8"), model_dir=tmp_path / "model", max_version=7)
+    assert [p.name for p in plans] == ["trainer", "sampler-island0-bf16", "sampler-island1-fp8", "rewards", "archiver"]
+    monkeypatch.setenv("SPRAWL_ISLAND__DEVICE", "from-env")  # what `up` was started with stays out of the workers
+    specs = worker_specs(plans, tmp_path / "config")
+    monkeypatch.delenv("SPRAWL_ISLAND__DEVICE")
+    assert stat.S_IMODE((tmp_path / "config").stat().st_mode) == 0o700
+    for plan, spec in zip(plans, specs, strict=True):
+        path = spec.argv[spec.argv.index("--config") + 1]
+        assert spec.argv[-3:-2] == [plan.command]
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600  # it holds the S3 secret
+        assert not any(k.startswith("SPRAWL_") for k in spec.env)
+        assert load_settings(type(plan.settings), path) == plan.settings  # what the worker will validate
+    trainer = plans[0].settings
+    assert trainer.trainer.max_versions == 7 and trainer.trainer.model_dir == tmp_path / "model"
+    assert trainer.trainer.group_size == 4 and trainer.trainer.loss.importance == "tis"
+    assert trainer.chain.views == ["bf16", "fp8_e4m3"] and trainer.chain.keyframe_every == 50
+    assert [p.settings.island.view for p in plans[1:3]] == ["bf16", "fp8_e4m3"]
+    assert specs[2].labels == {"island": "island1-fp8", "view": "fp8_e4m3"}
+    raw = tomllib.loads(Path(specs[0].argv[-1]).read_text())
+    assert raw["trainer"]["loss"]["importance"] == "tis" and raw["run_id"] == "r1"
+
+
+def test_a_typo_in_a_workers_settings_file_stops_it_at_start(clean_env, tmp_path):
+    from workers.trainer.settings import TrainerSettings
+
+    plans = worker_plans(UpSettings(state_dir=tmp_path), UpOptions(), model_dir=tmp_path, max_version=1)
+    path = worker_specs(plans[:1], tmp_path / "config")[0].argv[-1]
+    Path(path).write_text(Path(path).read_text().replace("checkpoint_every", "checkpoint_evry"))
+    with pytest.raises(ValidationError, match="checkpoint_evry"):
+        load_settings(TrainerSettings, path)
 
 
 def test_a_second_up_continues_the_last_run_unless_fresh(tmp_path):

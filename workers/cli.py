@@ -1,60 +1,167 @@
-"""`sprawl`: the one console script. Subcommands parse their config before importing anything heavy."""
+"""`sprawl`: the one console script.
+
+Every command's flags are derived from its models by pydantic-settings: the settings of the worker
+or tool it runs (`SprawlSettings` and its subclasses: `--nats.url`, `--trainer.learning-rate`, ...,
+each with its docstring as help and its default shown) and the command's own options (a
+`CommandOptions` model: `sprawl up --quick`, `sprawl sql --format`). Only the chosen command's
+models are imported, and none of them imports torch: a command checks its configuration before
+anything heavy loads. Precedence: flags > `SPRAWL_...` variables > `--config FILE` > defaults.
+
+Errors a user can meet print as one line on stderr with a non-zero exit: a `SprawlError` with its
+hint, a usage mistake, or one line per invalid setting naming the field.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
-import os
 import re
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import CliPositionalArg, CliSettingsSource, SettingsError
+
+from pipeline.config import CommandOptions, SprawlSettings, load_settings, validation_lines
 from pipeline.errors import SprawlError
+from workers.bench import BENCHES
+
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, default=None, help="TOML settings file (else SPRAWL_CONFIG)")
-    parser.add_argument("--run", dest="run_id", default=None, help="run id (else SPRAWL_RUN_ID, default 'local')")
-    parser.add_argument("--state-dir", type=Path, default=None, help="state folder (default .sprawl)")
+class UsageError(SprawlError):
+    """The command line itself is wrong (an unknown flag, a missing argument)."""
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, object]:
-    overrides: dict[str, object] = {}
-    if args.run_id:
-        overrides["run_id"] = args.run_id
-    if args.state_dir:
-        overrides["state_dir"] = args.state_dir
-    return overrides
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message, hint=f"see `{self.prog} --help`")
 
 
-def _last_up_run(args: argparse.Namespace) -> str | None:
-    """The run `sprawl up` last ran under this state folder, when nothing else names a run: so that
-    `just sql` right after `just up` queries that run."""
-    if args.run_id or os.environ.get("SPRAWL_RUN_ID") or args.config or os.environ.get("SPRAWL_CONFIG"):
-        return None
-    marker = (args.state_dir or Path(os.environ.get("SPRAWL_STATE_DIR", ".sprawl"))) / "current_run"
-    return marker.read_text().strip() or None if marker.is_file() else None
+# ---------------------------------------------------------------- the commands' own options
 
 
-def _settings(cls, args: argparse.Namespace):
-    """Load a worker's settings and set up its logs (before anything heavy is imported)."""
-    from pipeline.config import load_settings
-    from pipeline.logs import configure_logging
+class OutputOptions(CommandOptions):
+    format: Literal["table", "csv", "json", "parquet"] = "table"
+    """How rows are printed (`parquet` needs --output)."""
+    json_output: bool = Field(False, validation_alias="json")
+    """Same as --format json."""
+    output: Path | None = None
+    """Write to this file instead of stdout."""
+    fresh: bool = False
+    """Archive what is in the log first."""
 
-    overrides = _overrides(args)
-    remembered = _last_up_run(args)
-    if remembered is not None:
-        overrides["run_id"] = remembered
-    settings = load_settings(cls, args.config, **overrides)
-    configure_logging(settings.run_id, settings.log_format, settings.log_level)
-    return settings
+    @model_validator(mode="after")
+    def _one_format(self) -> OutputOptions:
+        if self.json_output and self.format not in ("table", "json"):
+            raise ValueError(f"--json and --format {self.format} disagree: give one of them")
+        if self.format == "parquet" and self.output is None:
+            raise ValueError("--format parquet needs --output FILE")
+        return self
+
+    @property
+    def chosen_format(self) -> str:
+        return "json" if self.json_output else self.format
 
 
-def _stack_settings(args: argparse.Namespace):
-    from infra.stack import StackSettings
+class SqlOptions(OutputOptions):
+    query: CliPositionalArg[str]
+    """DuckDB SQL; the archive's views are named after the events (versions, trajectories, ...)."""
 
-    return _settings(StackSettings, args)
+
+class AuditOptions(OutputOptions):
+    name: CliPositionalArg[Literal["staleness", "kl", "lineage", "fleet", "dead-letters"]]
+    """Which audit: staleness, kl, lineage VERSION, fleet or dead-letters."""
+    version: CliPositionalArg[int | None] = Field(None, ge=0)
+    """For `lineage`: the policy version whose inputs to list."""
+
+
+class ReportOptions(CommandOptions):
+    output: Path | None = None
+    """Folder the page (`report.html`) goes to; default: the run's folder, `<state_dir>/runs/<run_id>/`."""
+    fresh: bool = False
+    """Archive what is in the log first."""
+
+
+class StackOptions(CommandOptions):
+    action: CliPositionalArg[Literal["up", "down", "status"]]
+    """`up` (start the local stack in the background), `down` (stop it) or `status` (where it runs)."""
+
+
+class InfraOptions(CommandOptions):
+    action: CliPositionalArg[Literal["apply"]]
+    """`apply`: declare the run's streams and consumers (idempotent)."""
+
+
+class BenchOptions(CommandOptions):
+    name: CliPositionalArg[Literal[tuple(BENCHES)]] = Field(description=f"The benchmark: {', '.join(BENCHES)}.")  # type: ignore[valid-type]
+    quick: bool = False
+    """Fewer iterations."""
+    json_output: bool = Field(False, validation_alias="json")
+    """Print one JSON object as the last line."""
+
+
+# ---------------------------------------------------------------- the registry of commands
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    run: Callable[[Any, Any], int]
+    """(options, settings) -> exit code."""
+    settings: str | None = None
+    """`module:Class` of the settings it runs with (imported only when the command runs)."""
+    options: str | type[CommandOptions] | None = None
+    """Its own flags: a model, or `module:Class` of one."""
+    remembers_run: bool = False
+    """Without a run named anywhere, use the run `sprawl up` last ran under the same state folder."""
+
+
+def _import(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _cli_source(model: type, parser: argparse.ArgumentParser, *, toggles: bool = False) -> CliSettingsSource:
+    """Add `model`'s fields to `parser` as flags: nested sections as `--section.field`, kebab-case,
+    docstrings as help, defaults shown, booleans as `--flag/--no-flag` (with `toggles`, only the one
+    that changes the default: `--quick`, `--no-live`)."""
+    return CliSettingsSource(
+        model,
+        root_parser=parser,
+        cli_kebab_case=True,
+        cli_implicit_flags="toggle" if toggles else "dual",
+        cli_avoid_json=True,
+        cli_hide_none_type=True,
+        cli_shortcuts={"run-id": "run"},
+        cli_exit_on_error=False,
+    )
+
+
+# ---------------------------------------------------------------- what each command does
+
+
+def cmd_stack(options: StackOptions, settings) -> int:
+    from infra import stack
+
+    if options.action == "up":
+        _print_stack(stack.up(settings))
+    elif options.action == "down":
+        stopped = stack.down(settings)
+        print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+    else:
+        st = stack.status(settings)
+        if st is None:
+            print("stack is not running")
+            return 1
+        _print_stack(st)
+    return 0
 
 
 def _print_stack(st) -> None:
@@ -67,75 +174,35 @@ def _print_stack(st) -> None:
         print(f"  {server.name:<13} pid {server.pid}, log {server.log_file}")
 
 
-def cmd_stack(args: argparse.Namespace) -> int:
-    from infra import stack
+def cmd_infra(options: InfraOptions, settings) -> int:
+    async def apply() -> list[str]:
+        from infra.streams import apply
+        from pipeline.eventlog import connect_nats
 
-    settings = _stack_settings(args)
-    if args.action == "up":
-        _print_stack(stack.up(settings))
-    elif args.action == "down":
-        stopped = stack.down(settings)
-        print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
-    else:
-        st = stack.status(settings)
-        if st is None:
-            print("stack is not running")
-            return 1
-        _print_stack(st)
-    return 0
+        nc = await connect_nats(settings.nats, name="sprawl-infra-apply")
+        try:
+            report = await apply(nc.jetstream(), settings.streams, settings.run_id)
+        finally:
+            await nc.close()
+        return (
+            [f"created {x}" for x in report.created]
+            + [f"updated {x}" for x in report.updated]
+            + [f"unchanged {x}" for x in report.unchanged]
+        )
 
-
-async def _apply_infra(settings) -> list[str]:
-    from infra.streams import apply
-    from pipeline.eventlog import connect_nats
-
-    nc = await connect_nats(settings.nats, name="sprawl-infra-apply")
-    try:
-        report = await apply(nc.jetstream(), settings.streams, settings.run_id)
-    finally:
-        await nc.close()
-    return (
-        [f"created {x}" for x in report.created]
-        + [f"updated {x}" for x in report.updated]
-        + [f"unchanged {x}" for x in report.unchanged]
-    )
-
-
-def cmd_infra(args: argparse.Namespace) -> int:
-    from pipeline.config import SprawlSettings
-
-    settings = _settings(SprawlSettings, args)
-    for line in asyncio.run(_apply_infra(settings)):
+    for line in asyncio.run(apply()):
         print(line)
     return 0
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def cmd_up(options, settings) -> int:
     """The stack, the whole fleet, a real short RL run on a mixed-precision fleet, and its summary."""
-    from pydantic import ValidationError
+    from workers.up.orchestrate import run_up
 
-    from infra.stack import StackSettings
-    from workers.up.orchestrate import UpOptions, run_up
-
-    try:
-        options = UpOptions(
-            quick=args.quick,
-            islands=args.islands,
-            views=args.views,
-            correction=args.correction,
-            fresh=args.fresh,
-            json_output=args.json,
-            versions=args.versions,
-            live=False if args.no_live else None,
-        )
-    except ValidationError as exc:
-        raise SprawlError(
-            "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors()), hint="see `sprawl up --help`"
-        ) from None
-    result = run_up(options, StackSettings, args.config, _overrides(args))
-    if args.json:
+    result = run_up(options, settings)
+    if options.json_output:
         print(json.dumps(result.summary))
-    return 130 if result.interrupted else 0
+    return EXIT_INTERRUPTED if result.interrupted else 0
 
 
 def _emit(relation, fmt: str, output: Path | None) -> None:
@@ -144,8 +211,7 @@ def _emit(relation, fmt: str, output: Path | None) -> None:
 
     columns = list(relation.columns)
     if fmt == "parquet":
-        if output is None:
-            raise SprawlError("--format parquet needs --output FILE")
+        assert output is not None  # OutputOptions refuses parquet without --output
         relation.write_parquet(str(output))
         return
     rows = relation.fetchall()
@@ -172,187 +238,235 @@ def _emit(relation, fmt: str, output: Path | None) -> None:
         print(text)
 
 
-def _archive(args: argparse.Namespace):
+def _archive(settings, fresh: bool):
     from pipeline.audit import open_archive
-    from pipeline.config import SprawlSettings
 
-    settings = _settings(SprawlSettings, args)
-    if getattr(args, "fresh", False):
-        from workers.archiver import ArchiverSettings, drain_once
+    if fresh:
+        from pipeline.sql import check_log_reachable
+        from workers.archiver import drain_once
 
-        asyncio.run(drain_once(_settings(ArchiverSettings, args)))
-    return settings, *open_archive(settings)
+        async def drain() -> None:
+            await check_log_reachable(settings.nats)  # bounded: the drain itself would wait for the log forever
+            await drain_once(settings)
+
+        asyncio.run(drain())
+    return open_archive(settings)
 
 
-def cmd_sql(args: argparse.Namespace) -> int:
+def cmd_sql(options: SqlOptions, settings) -> int:
     """DuckDB SQL over the run's archive (views named after the events), or plain DuckDB if there is none."""
     from pipeline.audit import VIEWS, ArchiveMissing, query
-    from pipeline.config import SprawlSettings
-    from pipeline.sql import open_duckdb
+    from pipeline.sql import LogUnreachable, open_duckdb, user_query_errors
 
     try:
-        _, con, views = _archive(args)
+        con, views = _archive(settings, options.fresh)
+    except LogUnreachable:
+        raise
     except (ArchiveMissing, SprawlError) as exc:  # no archive (or no S3): plain DuckDB still answers
-        if any(re.search(rf"\b{name}\b", args.query.lower()) for name in VIEWS):
+        if any(re.search(rf"\b{name}\b", options.query.lower()) for name in VIEWS):
             raise
         print(f"sprawl: note: {exc}", file=sys.stderr)
-        con, views = open_duckdb(_settings(SprawlSettings, args)), []
-    _emit(query(con, views, args.query), args.format, args.output)
+        con, views = open_duckdb(settings), []
+    with user_query_errors(views):  # DuckDB executes lazily: the fetch in _emit can fail too
+        _emit(query(con, views, options.query), options.chosen_format, options.output)
     return 0
 
 
-def cmd_audit(args: argparse.Namespace) -> int:
+def cmd_audit(options: AuditOptions, settings) -> int:
     """The canned audits."""
     from pipeline.audit import AUDITS, lineage_sql, query
 
-    _, con, views = _archive(args)
-    sql = lineage_sql(con, views, args.version) if args.name == "lineage" else AUDITS[args.name]
-    _emit(query(con, views, sql), args.format, args.output)
+    if options.name == "lineage" and options.version is None:
+        raise UsageError("`sprawl audit lineage` needs a VERSION", hint="e.g. `sprawl audit lineage 3`")
+    if options.name != "lineage" and options.version is not None:
+        raise UsageError(f"`sprawl audit {options.name}` takes no VERSION", hint="only `lineage` does")
+    con, views = _archive(settings, options.fresh)
+    sql = lineage_sql(con, views, options.version) if options.name == "lineage" else AUDITS[options.name]
+    _emit(query(con, views, sql), options.chosen_format, options.output)
     return 0
 
 
-def cmd_report(args: argparse.Namespace) -> int:
-    from workers.up.report import write_report
+def cmd_report(options: ReportOptions, settings) -> int:
+    from workers.up.report import run_folder, write_run_report
 
-    settings, con, views = _archive(args)
-    path = write_report(con, views, settings.run_id, args.output)
+    con, views = _archive(settings, options.fresh)
+    output_dir = options.output if options.output is not None else run_folder(settings.state_dir, settings.run_id)
+    path = write_run_report(con, views, settings.run_id, output_dir)
     print(f"report written to {path}")
     return 0
 
 
-def cmd_archiver(args: argparse.Namespace) -> int:
-    from workers.archiver import ArchiverSettings, run_archiver
+def cmd_archiver(options, settings) -> int:
+    from workers.archiver import run_archiver
 
-    asyncio.run(run_archiver(_settings(ArchiverSettings, args)))
+    asyncio.run(run_archiver(settings))
     return 0
 
 
-def cmd_sampler(args: argparse.Namespace) -> int:
-    """A sampler island: engine + version follower + prompt consumer."""
-    from workers.sampler.worker import SamplerSettings, run_sampler
+def cmd_sampler(options, settings) -> int:
+    from workers.sampler.worker import run_sampler
 
-    asyncio.run(run_sampler(_settings(SamplerSettings, args)))
+    asyncio.run(run_sampler(settings))
     return 0
 
 
-def cmd_sidecar(args: argparse.Namespace) -> int:
-    """The version-aware HTTP sidecar in front of one engine."""
-    from workers.sampler.sidecar import SidecarSettings, run_sidecar
+def cmd_sidecar(options, settings) -> int:
+    from workers.sampler.sidecar import run_sidecar
 
-    asyncio.run(run_sidecar(_settings(SidecarSettings, args)))
+    asyncio.run(run_sidecar(settings))
     return 0
 
 
-def cmd_trainer(args: argparse.Namespace) -> int:
-    """The trainer: corrected GRPO updates, versions out, recovery by replay."""
+def cmd_trainer(options, settings) -> int:
     from workers.trainer.loop import run_trainer
-    from workers.trainer.settings import TrainerSettings
 
-    asyncio.run(run_trainer(_settings(TrainerSettings, args)))
+    asyncio.run(run_trainer(settings))
     return 0
 
 
-def cmd_rewards(args: argparse.Namespace) -> int:
-    """The reward worker: verifiers, sandboxed."""
-    from workers.rewards.worker import RewardSettings, run_rewards
+def cmd_rewards(options, settings) -> int:
+    from workers.rewards.worker import run_rewards
 
-    asyncio.run(run_rewards(_settings(RewardSettings, args)))
+    asyncio.run(run_rewards(settings))
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def cmd_bench(options: BenchOptions, settings) -> int:
     from workers.bench import run_bench
 
-    return run_bench(args.name, quick=args.quick, as_json=args.json)
+    return run_bench(options.name, quick=options.quick, as_json=options.json_output)
+
+
+ARCHIVE = "workers.archiver:ArchiverSettings"
+
+COMMANDS: dict[str, Command] = {
+    "stack": Command("the local nats-server + SeaweedFS stack", cmd_stack, "infra.stack:StackSettings", StackOptions),
+    "up": Command(
+        "the stack, the fleet and a real short RL run, live, with a summary",
+        cmd_up,
+        "workers.up.options:UpSettings",
+        "workers.up.options:UpOptions",
+    ),
+    "infra": Command("declare streams and consumers", cmd_infra, "pipeline.config:SprawlSettings", InfraOptions),
+    "sql": Command(
+        "DuckDB SQL over the run's archive (views: versions, trajectories, ...)", cmd_sql, ARCHIVE, SqlOptions, True
+    ),
+    "audit": Command(
+        "canned audits: staleness, kl, lineage VERSION, fleet, dead-letters", cmd_audit, ARCHIVE, AuditOptions, True
+    ),
+    "report": Command("an HTML run report with plots", cmd_report, ARCHIVE, ReportOptions, True),
+    "archiver": Command("run the archiver (every event to Parquet on S3)", cmd_archiver, ARCHIVE),
+    "sampler": Command("run a sampler island", cmd_sampler, "workers.sampler.worker:SamplerSettings"),
+    "sidecar": Command(
+        "version-aware HTTP sidecar (OpenAI-compatible) for one engine",
+        cmd_sidecar,
+        "workers.sampler.sidecar:SidecarSettings",
+    ),
+    "trainer": Command("run the trainer", cmd_trainer, "workers.trainer.settings:TrainerSettings"),
+    "rewards": Command(
+        "run the reward worker (verifiers, sandboxed)", cmd_rewards, "workers.rewards.worker:RewardSettings"
+    ),
+    "bench": Command("benchmarks (ratios against a baseline measured in the same run)", cmd_bench, None, BenchOptions),
+}
+
+
+# ---------------------------------------------------------------- parsing
+
+
+@dataclass
+class Invocation:
+    name: str
+    command: Command
+    options: Any
+    settings: Any
+
+
+def parser_for(name: str | None) -> tuple[argparse.ArgumentParser, dict[str, Any]]:
+    """The `sprawl` parser with every command listed and `name`'s flags derived from its models.
+    Returns the parser and the CLI sources of `name` (`options`, `settings`)."""
+    parser = _Parser(prog="sprawl", description=__doc__, allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sources: dict[str, Any] = {}
+    for command_name, command in COMMANDS.items():
+        p = sub.add_parser(
+            command_name,
+            help=command.help,
+            description=command.help,
+            allow_abbrev=False,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        if command_name != name:
+            continue
+        if command.options is not None:
+            model = _import(command.options) if isinstance(command.options, str) else command.options
+            sources["options"] = (model, _cli_source(model, p, toggles=True))
+        if command.settings is not None:
+            p.add_argument(
+                "--config",
+                type=Path,
+                default=None,
+                metavar="FILE",
+                help="TOML settings file (else SPRAWL_CONFIG); flags and SPRAWL_... variables take precedence",
+            )
+            model = _import(command.settings)
+            sources["settings"] = (model, _cli_source(model, p))
+    return parser, sources
+
+
+def parse(argv: list[str]) -> Invocation:
+    """Parse and validate a command line: the command, its options and its settings."""
+    name = argv[0] if argv and argv[0] in COMMANDS else None
+    parser, sources = parser_for(name)
+    try:
+        namespace = parser.parse_args(argv)
+    except UsageError as exc:  # argparse reports unknown flags at the top level: point at the command's help
+        if name is None:
+            raise
+        raise UsageError(exc.message, hint=f"see `sprawl {name} --help`") from None
+    command = COMMANDS[namespace.command]
+    options = settings = None
+    if "options" in sources:
+        model, source = sources["options"]
+        options = model(_cli_settings_source=source(parsed_args=namespace))
+    if "settings" in sources:
+        model, source = sources["settings"]
+        settings = load_settings(model, namespace.config, cli_source=source(parsed_args=namespace))
+        if command.remembers_run and "run_id" not in settings.model_fields_set:
+            remembered = last_up_run(settings)
+            if remembered is not None:
+                settings = load_settings(model, namespace.config, cli_source=source, run_id=remembered)
+    return Invocation(namespace.command, command, options, settings)
+
+
+def last_up_run(settings: SprawlSettings) -> str | None:
+    """The run `sprawl up` last ran under this state folder: so that `just sql` right after `just up`
+    queries that run."""
+    marker = settings.state_dir / "current_run"
+    return (marker.read_text().strip() or None) if marker.is_file() else None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sprawl", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p_stack = sub.add_parser("stack", help="the local nats-server + SeaweedFS stack")
-    p_stack.add_argument("action", choices=["up", "down", "status"])
-    _common(p_stack)
-    p_stack.set_defaults(func=cmd_stack)
-
-    p_up = sub.add_parser("up", help="the stack, the fleet and a real short RL run, live, with a summary")
-    p_up.add_argument("--quick", action="store_true", help="a shorter run (30 updates)")
-    p_up.add_argument("--islands", type=int, default=2, help="sampler islands (default 2)")
-    p_up.add_argument("--views", default="bf16,fp8", help="served views, assigned to islands in turn (bf16, fp8)")
-    p_up.add_argument(
-        "--correction", default="sc+mis+mask", help="off-policy correction: sc, mis, tis, mask, geo, seq, ppo, none"
-    )
-    p_up.add_argument("--fresh", action="store_true", help="start a new run instead of continuing the last one")
-    p_up.add_argument("--versions", type=int, default=None, help="updates to add (default 500, quick 30)")
-    p_up.add_argument("--json", action="store_true", help="print the summary as one JSON object, last")
-    p_up.add_argument("--no-live", action="store_true", help="progress lines instead of the live view")
-    _common(p_up)
-    p_up.set_defaults(func=cmd_up)
-
-    p_infra = sub.add_parser("infra", help="declare streams and consumers")
-    p_infra.add_argument("action", choices=["apply"])
-    _common(p_infra)
-    p_infra.set_defaults(func=cmd_infra)
-
-    def _output_options(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table")
-        parser.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
-        parser.add_argument("--output", type=Path, default=None, help="write to a file instead of stdout")
-        parser.add_argument("--fresh", action="store_true", help="archive what is in the log first")
-
-    p_sql = sub.add_parser("sql", help="DuckDB SQL over the run's archive (views: versions, trajectories, ...)")
-    p_sql.add_argument("query")
-    _output_options(p_sql)
-    _common(p_sql)
-    p_sql.set_defaults(func=cmd_sql)
-
-    p_audit = sub.add_parser("audit", help="canned audits: staleness, kl, lineage VERSION, fleet, dead-letters")
-    p_audit.add_argument("name", choices=["staleness", "kl", "lineage", "fleet", "dead-letters"])
-    p_audit.add_argument("version", nargs="?", type=int, default=None, help="for lineage: the version")
-    _output_options(p_audit)
-    _common(p_audit)
-    p_audit.set_defaults(func=cmd_audit)
-
-    p_report = sub.add_parser("report", help="an HTML run report with plots")
-    p_report.add_argument("--output", type=Path, default=Path("sprawl-report.html"))
-    p_report.add_argument("--fresh", action="store_true", help="archive what is in the log first")
-    _common(p_report)
-    p_report.set_defaults(func=cmd_report)
-
-    p_archiver = sub.add_parser("archiver", help="run the archiver (every event to Parquet on S3)")
-    _common(p_archiver)
-    p_archiver.set_defaults(func=cmd_archiver)
-
-    p_sampler = sub.add_parser("sampler", help="run a sampler island (SPRAWL_ISLAND__VIEW=bf16|fp8_e4m3, ...)")
-    _common(p_sampler)
-    p_sampler.set_defaults(func=cmd_sampler)
-
-    p_sidecar = sub.add_parser("sidecar", help="version-aware HTTP sidecar (OpenAI-compatible) for one engine")
-    _common(p_sidecar)
-    p_sidecar.set_defaults(func=cmd_sidecar)
-
-    p_trainer = sub.add_parser("trainer", help="run the trainer (SPRAWL_TRAINER__MODEL_DIR=...)")
-    _common(p_trainer)
-    p_trainer.set_defaults(func=cmd_trainer)
-
-    p_rewards = sub.add_parser("rewards", help="run the reward worker (verifiers in bubblewrap sandboxes)")
-    _common(p_rewards)
-    p_rewards.set_defaults(func=cmd_rewards)
-
-    p_bench = sub.add_parser("bench", help="benchmarks (ratios against a baseline measured in the same run)")
-    p_bench.add_argument("name", choices=["log", "delta", "sync", "trainer", "sandbox", "audit"])
-    p_bench.add_argument("--quick", action="store_true", help="fewer iterations")
-    p_bench.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    p_bench.set_defaults(func=cmd_bench)
-
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return args.func(args)
+        invocation = parse(argv)
+        if isinstance(invocation.settings, SprawlSettings):
+            from pipeline.logs import configure_logging
+
+            s = invocation.settings
+            configure_logging(s.run_id, s.log_format, s.log_level)
+        return invocation.command.run(invocation.options, invocation.settings)
+    except ValidationError as exc:
+        for line in validation_lines(exc):
+            print(f"sprawl: error: {line}", file=sys.stderr)
+        return EXIT_ERROR
+    except SettingsError as exc:  # a flag's value pydantic-settings could not read
+        print(f"sprawl: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return EXIT_ERROR
     except SprawlError as exc:
-        print(f"sprawl: error: {exc}", file=sys.stderr)
-        return 2
+        print(f"sprawl: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     finally:
         sys.stdout.flush()
 

@@ -1,42 +1,35 @@
-"""`sprawl bench <name>`: benchmarks as commands, reporting ratios against a baseline from the same run."""
+"""`sprawl bench <name>`: benchmarks as commands, reporting ratios against a baseline from the same run.
+
+A benchmark is a module here with a `bench_<name>(quick: bool) -> (rows, summary)` function and one
+entry in `BENCHES`; `sprawl bench` takes its choices from there.
+"""
 
 from __future__ import annotations
 
+import importlib
 import json
 
-from rich.console import Console
-from rich.table import Table
-
-BENCHES = ("log", "delta", "sync", "trainer", "sandbox", "audit")
+BENCHES: dict[str, str] = {
+    "log": "workers.bench.log_bench:bench_log",
+    "delta": "workers.bench.delta_bench:bench_delta",
+    "sync": "workers.bench.sync_bench:bench_sync",
+    "trainer": "workers.bench.trainer_bench:bench_trainer",
+    "sandbox": "workers.bench.sandbox_bench:bench_sandbox",
+    "audit": "workers.bench.audit_bench:bench_audit",
+}
+"""Name -> `module:function` (imported only when that benchmark runs)."""
 
 
 def run_bench(name: str, *, quick: bool, as_json: bool) -> int:
-    if name == "log":
-        from workers.bench.log_bench import bench_log
+    from rich.console import Console
+    from rich.table import Table
 
-        rows, summary = bench_log(quick=quick)
-    elif name == "delta":
-        from workers.bench.delta_bench import bench_delta
+    from pipeline.errors import SprawlError
 
-        rows, summary = bench_delta(quick=quick)
-    elif name == "sync":
-        from workers.bench.sync_bench import bench_sync
-
-        rows, summary = bench_sync(quick=quick)
-    elif name == "trainer":
-        from workers.bench.trainer_bench import bench_trainer
-
-        rows, summary = bench_trainer(quick=quick)
-    elif name == "sandbox":
-        from workers.bench.sandbox_bench import bench_sandbox
-
-        rows, summary = bench_sandbox(quick=quick)
-    elif name == "audit":
-        from workers.bench.audit_bench import bench_audit
-
-        rows, summary = bench_audit(quick=quick)
-    else:
-        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHES)}")
+    if name not in BENCHES:
+        raise SprawlError(f"unknown benchmark {name!r}", hint=f"choose one of {', '.join(BENCHES)}")
+    module, _, function = BENCHES[name].partition(":")
+    rows, summary = getattr(importlib.import_module(module), function)(quick=quick)
     console = Console(width=max(160, Console().width))
     table = Table(title=f"sprawl bench {name}")
     for column in rows[0]:

@@ -30,11 +30,14 @@ import torch
 
 from pipeline import patch_codec
 from pipeline.bits import checksum, dtype_name, to_bits
+from pipeline.config import ChainSettings
 from pipeline.patch_codec import TensorBits
 from pipeline.views import get_view
 
 REPEATS = 3
-CHUNK = patch_codec.DEFAULT_CHUNK_ELEMENTS
+CHAIN = ChainSettings()
+"""The chain's default codec settings: the bench measures what a trainer publishes with."""
+CHUNK = CHAIN.chunk_elements
 
 
 def _bits(tensors: dict[str, torch.Tensor]) -> dict[str, TensorBits]:
@@ -77,10 +80,16 @@ def compare(base: dict[str, TensorBits], target: dict[str, TensorBits], pool: Th
     # ours; the base's checksums are known, as in the chain (computed when the base was published)
     base_sums = {n: checksum(b.bits) for n, b in base.items()}
     tracemalloc.start()
-    patch = patch_codec.encode(base, target, pool=pool, base_checksums=base_sums)
+    patch = patch_codec.encode(
+        base, target, pool=pool, base_checksums=base_sums, chunk_elements=CHUNK, level=CHAIN.zstd_level
+    )
     _, encode_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    encode_s = _best(lambda: patch_codec.encode(base, target, pool=pool, base_checksums=base_sums))
+    encode_s = _best(
+        lambda: patch_codec.encode(
+            base, target, pool=pool, base_checksums=base_sums, chunk_elements=CHUNK, level=CHAIN.zstd_level
+        )
+    )
     buffers = [{n: TensorBits(b.dtype, b.shape, b.bits.copy()) for n, b in base.items()} for _ in range(REPEATS)]
     out = patch_codec.apply(
         patch,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from dataclasses import replace
 
 import torch
 
@@ -22,20 +21,22 @@ from pipeline.chain_publish import ChainPublisher
 from pipeline.config import ChainSettings
 from pipeline.eventlog import EventLog
 from pipeline.logs import configure_logging
-from pipeline.off_policy import LossConfig
+from pipeline.off_policy import LossSection, apply_spec
 from schemas import IslandIdentity, Reward, SamplingParams, Trajectory, VersionSpan
 from workers.bench.private_stack import private_stack
-from workers.trainer.update import UpdateConfig, run_update
+from workers.trainer.settings import TrainerSection
+from workers.trainer.update import run_update
 
-BARE = LossConfig(importance="none", score_centering=False, mask_replay=False)
-DEFAULT = LossConfig()  # MIS (token) + score centering + mask replay, as the trainer runs by default
+BARE = LossSection(importance="none", score_centering=False, mask_replay=False)
+DEFAULT = LossSection()  # MIS (token) + score centering + mask replay, as the trainer runs by default
 CORRECTIONS = {
-    "mis_token": replace(BARE, importance="mis"),
-    "tis_sequence": replace(BARE, importance="tis", importance_level="sequence"),
-    "geometric_rejection": replace(BARE, geometric_rejection=True),
-    "score_centering": replace(BARE, score_centering=True),
-    "mask_replay": replace(BARE, mask_replay=True),
+    "mis_token": "mis",
+    "tis_sequence": "tis+seq",
+    "geometric_rejection": "geo",
+    "score_centering": "sc",
+    "mask_replay": "mask",
 }
+"""Each correction alone, as a `--correction` spec (`pipeline.off_policy.registry`)."""
 
 
 def demo_model(quick: bool):
@@ -109,7 +110,7 @@ def synthetic_batch(model, groups: int, n: int, prompt_len: int, out_len: int) -
     return batch
 
 
-def _time_updates(model, batch, configs: dict[str, UpdateConfig], repeats: int) -> dict[str, float]:
+def _time_updates(model, batch, configs: dict[str, TrainerSection], repeats: int) -> dict[str, float]:
     """Median time per configuration, rounds interleaved so drift on a shared machine hits all alike."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     times: dict[str, list[float]] = {name: [] for name in configs}
@@ -158,10 +159,10 @@ def bench_trainer(quick: bool) -> tuple[list[dict], dict]:
     groups, n = (2, 4) if quick else (4, 8)
     batch = synthetic_batch(model, groups, n, prompt_len=16, out_len=24 if quick else 48)
     repeats = 5 if quick else 9
-    configs = {"bare": UpdateConfig(loss=BARE)}
-    configs |= {name: UpdateConfig(loss=loss) for name, loss in CORRECTIONS.items()}
-    configs["routing_replay"] = UpdateConfig(loss=BARE, routing_replay=True)
-    configs["default"] = UpdateConfig(loss=DEFAULT)
+    configs = {"bare": TrainerSection(loss=BARE)}
+    configs |= {name: TrainerSection(loss=apply_spec(BARE, spec)) for name, spec in CORRECTIONS.items()}
+    configs["routing_replay"] = TrainerSection(loss=BARE, routing_replay=True)
+    configs["default"] = TrainerSection(loss=DEFAULT)
     timed = _time_updates(model, batch, configs, repeats)
     bare, full = timed["bare"], timed["default"]
     rows = [{"what": "bare forward/backward/step", "seconds": bare, "vs_bare": 1.0}]

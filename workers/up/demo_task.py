@@ -13,27 +13,17 @@ import json
 import os
 import random
 import shutil
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from workers.up.options import TaskSettings
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 ALPHABET = list("0123456789+=")
 PAD, BOS, EOS = 0, 1, 2
 VOCAB_SIZE = len(SPECIALS) + len(ALPHABET)
 """Small enough that samplers return the whole distribution: score centering is then exact."""
-
-
-@dataclass(frozen=True)
-class TaskConfig:
-    digits: int = 2
-    """Operands have up to this many digits."""
-    warmup_steps: int = 550
-    """Supervised steps on correct examples before RL."""
-    warmup_batch: int = 64
-    warmup_lr: float = 3e-3
-    seed: int = 0
 
 
 def build_tokenizer():
@@ -75,7 +65,7 @@ def model_config(vocab_size: int):
     )
 
 
-def _batch(tokenizer, rng: random.Random, cfg: TaskConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(tokenizer, rng: random.Random, cfg: TaskSettings) -> tuple[torch.Tensor, torch.Tensor]:
     rows, masks = [], []
     for _ in range(cfg.warmup_batch):
         prompt, answer = problem(rng, cfg.digits)
@@ -92,7 +82,7 @@ def _batch(tokenizer, rng: random.Random, cfg: TaskConfig) -> tuple[torch.Tensor
     return ids, loss_mask
 
 
-def pass_rate(model, tokenizer, cfg: TaskConfig, n: int = 64, seed: int = 1) -> float:
+def pass_rate(model, tokenizer, cfg: TaskSettings, n: int = 64, seed: int = 1) -> float:
     rng = random.Random(seed)
     correct = 0
     model.eval()
@@ -114,10 +104,15 @@ def pass_rate(model, tokenizer, cfg: TaskConfig, n: int = 64, seed: int = 1) -> 
     return correct / n
 
 
-def warmed_up_model(state_dir: Path, cfg: TaskConfig = TaskConfig(), progress=None) -> Path:
+DEFAULT_TASK = TaskSettings()
+
+
+def warmed_up_model(state_dir: Path, cfg: TaskSettings = DEFAULT_TASK, progress=None) -> Path:
     """The warmed-up initial policy as an HF directory (with tokenizer.json), built once and cached."""
     tokenizer = build_tokenizer()
-    key = hashlib.sha256(json.dumps({**asdict(cfg), "vocab": SPECIALS + ALPHABET, "v": 2}).encode()).hexdigest()[:16]
+    # The cache key: everything that shapes the model (the same as when this was a dataclass's asdict()).
+    shape = json.dumps({**cfg.model_dump(), "vocab": SPECIALS + ALPHABET, "v": 2})
+    key = hashlib.sha256(shape.encode()).hexdigest()[:16]
     directory = state_dir.resolve() / "models" / f"arith-{key}"
     if (directory / "config.json").exists() and (directory / "tokenizer.json").exists():
         return directory
@@ -158,7 +153,7 @@ ANSWER_FORMAT = r"\d+"
 """What a well-formed answer looks like (the verifier counts the rest as format errors)."""
 
 
-def prompt_group(run_id: str, index: int, cfg: TaskConfig, *, n_samples: int, top_p: float, top_logprobs: int):
+def prompt_group(run_id: str, index: int, cfg: TaskSettings, *, n_samples: int, top_p: float, top_logprobs: int):
     """The run's `index`-th prompt group: the same problem for the same (run, index), so a re-published
     group deduplicates in the log instead of becoming a second, different group."""
     from schemas import PromptGroup, SamplingParams

@@ -4,8 +4,10 @@ Phases: stack up (or reuse) and streams declared; the base policy built and warm
 trainer, sampler islands (a mixed-precision fleet: one view each), reward worker and archiver
 started under a supervisor; a prompt driver keeps a bounded number of prompt groups ahead of the
 trainer (so staleness stays small without any lockstep); the run ends when the trainer publishes
-its last version. Then the workers drain, the archive is brought up to date, the HTML report is
-written and the summary printed. Ctrl-C at any point stops every worker (and the stack, if this
+its last version. Each worker gets its settings as a TOML file derived from the run's `UpSettings`
+(`<state_dir>/runs/<run>/config/<worker>.toml`, owner-only), which it validates at start. Then
+the workers drain, the archive is brought up to date, the HTML report is written and the summary
+printed. Ctrl-C at any point stops every worker (and the stack, if this
 command started it). A second `sprawl up` continues the previous run from the log; `--fresh`
 starts a new one.
 """
@@ -13,7 +15,6 @@ starts a new one.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -23,93 +24,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pydantic import BaseModel, field_validator
-
+from pipeline.config import SprawlSettings, write_settings_file
 from pipeline.errors import SprawlError
 from pipeline.logs import get_logger
-from workers.up.demo_task import VOCAB_SIZE, TaskConfig
+from workers.up.options import UpOptions, UpSettings, correction_of, island_views, run_settings
 
 log = get_logger(__name__)
-
-VIEW_ALIASES = {"fp8": "fp8_e4m3", "bf16": "bf16", "fp8_e4m3": "fp8_e4m3"}
-CORRECTIONS = {
-    "sc": {"score_centering": True},
-    "mis": {"importance": "mis"},
-    "tis": {"importance": "tis"},
-    "mask": {"mask_replay": True},
-    "geo": {"geometric_rejection": True},
-    "seq": {"importance_level": "sequence"},
-    "ppo": {"surrogate": "ppo"},
-}
-
-
-class UpOptions(BaseModel):
-    """What `sprawl up` runs. The defaults are the demo's tuned settings (see the README)."""
-
-    quick: bool = False
-    islands: int = 2
-    views: list[str] = ["bf16", "fp8_e4m3"]
-    correction: str = "sc+mis+mask"
-    fresh: bool = False
-    json_output: bool = False
-    versions: int | None = None
-    """Updates this invocation adds to the run (default 500, quick 30)."""
-    groups_per_batch: int = 8
-    group_size: int = 16
-    learning_rate: float = 3e-4
-    top_p: float = 0.95
-    groups_ahead: int = 16
-    """Prompt groups published beyond what the trainer has taken: bounds staleness at about
-    groups_ahead / groups_per_batch versions."""
-    keyframe_every: int = 50
-    live: bool | None = None
-    """Rich live view (default: when the output is a terminal)."""
-
-    @field_validator("views", mode="before")
-    @classmethod
-    def _views(cls, value):
-        names = value.split(",") if isinstance(value, str) else value
-        out = []
-        for name in (n.strip() for n in names if n.strip()):
-            if name not in VIEW_ALIASES:
-                raise ValueError(f"unknown view {name!r}: choose from bf16, fp8 (fp8_e4m3)")
-            out.append(VIEW_ALIASES[name])
-        if not out:
-            raise ValueError("--views needs at least one view")
-        return out
-
-    @field_validator("correction")
-    @classmethod
-    def _correction(cls, value: str) -> str:
-        loss_fields(value)
-        return value
-
-    @field_validator("islands")
-    @classmethod
-    def _islands(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError("--islands must be at least 1")
-        return value
-
-    @property
-    def target_versions(self) -> int:
-        return self.versions if self.versions is not None else (30 if self.quick else 500)
-
-    def island_views(self) -> list[str]:
-        return [self.views[i % len(self.views)] for i in range(self.islands)]
-
-
-def loss_fields(correction: str) -> dict[str, object]:
-    """`sc+mis+mask` (any of sc, mis, tis, mask, geo, seq, ppo, or `none`) as trainer loss settings."""
-    fields: dict[str, object] = {"score_centering": False, "mask_replay": False, "importance": "none"}
-    for part in correction.replace(",", "+").split("+"):
-        part = part.strip().lower()
-        if part in ("", "none"):
-            continue
-        if part not in CORRECTIONS:
-            raise ValueError(f"unknown correction {part!r}: combine {', '.join(CORRECTIONS)} with '+', or 'none'")
-        fields |= CORRECTIONS[part]
-    return fields
 
 
 # ---------------------------------------------------------------- run identity
@@ -130,64 +50,104 @@ def remember_run(state_dir: Path, run_id: str) -> None:
     (state_dir / "current_run").write_text(run_id + "\n")
 
 
-# ---------------------------------------------------------------- worker environments
+# ---------------------------------------------------------------- what each worker runs with
 
 
-def worker_specs(
-    options: UpOptions, *, base_env: dict[str, str], model_dir: Path, state_dir: Path, max_version: int
-) -> list:
-    from workers.up.supervisor import WorkerSpec
+@dataclass
+class WorkerPlan:
+    """One worker of the run: its command and the settings it will validate at start."""
 
-    sprawl = [sys.executable, "-m", "workers.cli"]
-    env = {
-        **base_env,
-        "SPRAWL_LOG_FORMAT": "json",
+    name: str
+    command: str
+    """The `sprawl` command that runs it."""
+    settings: SprawlSettings
+    labels: dict[str, str]
+
+
+def worker_plans(settings: UpSettings, options: UpOptions, *, model_dir: Path, max_version: int) -> list[WorkerPlan]:
+    """Every worker's settings, derived from the run's: the shared sections as they are, the trainer's
+    and chain's from `settings`, one island per view in turn. Values `up` does not set come from the
+    worker's defaults and the `SPRAWL_...` environment `up` was started with."""
+    from pipeline.config import load_settings
+    from workers.archiver import ArchiverSettings
+    from workers.rewards.worker import RewardSettings
+    from workers.sampler.worker import SamplerSettings
+    from workers.trainer.settings import TrainerSettings
+    from workers.up.demo_task import VOCAB_SIZE
+
+    state_dir = settings.state_dir.resolve()
+    shared = {
+        "run_id": settings.run_id,
+        "state_dir": state_dir,
+        "log_format": "json",
+        "log_level": settings.log_level,
+        "nats": settings.nats,
+        "blobs": settings.blobs,
+        "log": settings.log,
+        "streams": settings.streams,
+    }
+    trainer = settings.trainer.model_copy(
+        update={
+            "model_dir": model_dir,
+            "trainer_id": f"up-{socket.gethostname()}".lower(),
+            "max_versions": max_version,
+        }
+    )
+    plans = [
+        WorkerPlan(
+            "trainer",
+            "trainer",
+            load_settings(TrainerSettings, None, **shared, trainer=trainer, chain=settings.chain),
+            {"correction": correction_of(settings)},
+        )
+    ]
+    for index, view in enumerate(island_views(options, settings)):
+        island_id = f"island{index}-{view.split('_')[0]}"
+        island = {
+            "view": view,
+            "island_id": island_id,
+            "top_logprobs": VOCAB_SIZE,
+            "poll_interval_s": 1.0,
+            # The materializer adds <run>/<view>/ below this.
+            "materialize": {"cache_dir": state_dir / "islands" / island_id},
+        }
+        sampler = load_settings(SamplerSettings, None, **shared, island=island, heartbeat_interval_s=2.0)
+        plans.append(WorkerPlan(f"sampler-{island_id}", "sampler", sampler, {"island": island_id, "view": view}))
+    plans.append(WorkerPlan("rewards", "rewards", load_settings(RewardSettings, None, **shared), {}))
+    plans.append(WorkerPlan("archiver", "archiver", load_settings(ArchiverSettings, None, **shared), {}))
+    return plans
+
+
+def worker_env() -> dict[str, str]:
+    """The workers' environment: ours without `SPRAWL_...` (a worker's settings file is the whole of
+    its configuration), single-threaded, and able to import this checkout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPRAWL_")}
+    env |= {
         # Every worker is single-threaded: 2 cores are shared by five processes.
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
     }
-    loss = {f"SPRAWL_TRAINER__LOSS__{k.upper()}": str(v).lower() for k, v in loss_fields(options.correction).items()}
-    specs = [
-        WorkerSpec(
-            "trainer",
-            [*sprawl, "trainer"],
-            {
-                **env,
-                **loss,
-                "SPRAWL_TRAINER__MODEL_DIR": str(model_dir),
-                "SPRAWL_TRAINER__TRAINER_ID": f"up-{socket.gethostname()}".lower(),
-                "SPRAWL_TRAINER__GROUPS_PER_BATCH": str(options.groups_per_batch),
-                "SPRAWL_TRAINER__GROUP_SIZE": str(options.group_size),
-                "SPRAWL_TRAINER__LEARNING_RATE": str(options.learning_rate),
-                "SPRAWL_TRAINER__MAX_VERSIONS": str(max_version),
-                "SPRAWL_TRAINER__CHECKPOINT_EVERY": "10",
-                "SPRAWL_CHAIN__VIEWS": json.dumps(sorted(set(options.views))),
-                "SPRAWL_CHAIN__KEYFRAME_EVERY": str(options.keyframe_every),
-            },
-        )
-    ]
-    for index, view in enumerate(options.island_views()):
-        island_id = f"island{index}-{view.split('_')[0]}"
-        specs.append(
-            WorkerSpec(
-                f"sampler-{island_id}",
-                [*sprawl, "sampler"],
-                {
-                    **env,
-                    "SPRAWL_ISLAND__VIEW": view,
-                    "SPRAWL_ISLAND__ISLAND_ID": island_id,
-                    "SPRAWL_ISLAND__TOP_LOGPROBS": str(VOCAB_SIZE),
-                    "SPRAWL_ISLAND__POLL_INTERVAL_S": "1",
-                    # The materializer adds <run>/<view>/ below this.
-                    "SPRAWL_ISLAND__MATERIALIZE__CACHE_DIR": str(state_dir / "islands" / island_id),
-                    "SPRAWL_HEARTBEAT_INTERVAL_S": "2",
-                },
-            )
-        )
-    specs.append(WorkerSpec("rewards", [*sprawl, "rewards"], env))
-    specs.append(WorkerSpec("archiver", [*sprawl, "archiver"], env))
+    # Workers import the project from where this command runs (an editable install, or a checkout).
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def worker_specs(plans: list[WorkerPlan], config_dir: Path) -> list:
+    """Each plan's settings written to `<config_dir>/<name>.toml` (owner-only: it holds credentials),
+    and the command that starts the worker on it."""
+    from workers.up.supervisor import WorkerSpec
+
+    config_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(config_dir, 0o700)
+    env = worker_env()
+    specs = []
+    for plan in plans:
+        path = write_settings_file(plan.settings, config_dir / f"{plan.name}.toml")
+        argv = [sys.executable, "-m", "workers.cli", plan.command, "--config", str(path)]
+        specs.append(WorkerSpec(plan.name, argv, env, labels=plan.labels))
     return specs
 
 
@@ -215,19 +175,22 @@ class _Output:
         self.console.print(*args, **kwargs)
 
 
-def run_up(options: UpOptions, settings_cls, config: Path | None, overrides: dict) -> UpResult:
+def run_up(options: UpOptions, settings: UpSettings) -> UpResult:
+    """The whole run. `settings.run_id` is used when it was given (flag, variable or file); else the
+    previous run continues, unless `options.fresh`."""
     from infra import stack
-    from pipeline.config import load_settings
     from pipeline.logs import configure_logging
+    from pipeline.subjects import token
 
     out = _Output(options.json_output)
     # A closed terminal (SIGHUP) or a `kill` (SIGTERM) stops the run like Ctrl-C does: cleanly.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
-    base = load_settings(settings_cls, config, **overrides)
-    state_dir = base.state_dir
-    run_id, continuing = choose_run_id(state_dir, overrides.get("run_id"), options.fresh)
-    settings = load_settings(settings_cls, config, **{**overrides, "run_id": run_id})
+    state_dir = settings.state_dir
+    explicit = settings.run_id if "run_id" in settings.model_fields_set else None
+    run_id, continuing = choose_run_id(state_dir, explicit, options.fresh)
+    token(run_id, "run_id")  # a remembered id was checked when it was first used; check again
+    settings = run_settings(options, settings).model_copy(update={"run_id": run_id})
     # Our own logs go to a file: the terminal belongs to the live view.
     run_dir = state_dir.resolve() / "runs" / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -243,18 +206,11 @@ def run_up(options: UpOptions, settings_cls, config: Path | None, overrides: dic
         raise
     started_stack = not st.already_running
     out.print(f"stack {'reused' if st.already_running else 'started'}: nats {st.nats_url}, s3 {st.s3_endpoint}")
-    settings = settings.model_copy(
-        update={
-            "nats": settings.nats.model_copy(update={"url": st.nats_url}),
-            "blobs": settings.blobs.model_copy(update={"endpoint_url": st.s3_endpoint})
-            if hasattr(settings.blobs, "endpoint_url")
-            else settings.blobs,
-        }
-    )
+    settings = stack.with_endpoints(settings, st)
     remember_run(state_dir, run_id)
     interrupted = False
     try:
-        result = asyncio.run(_run(options, settings, config, run_dir, continuing, out, started))
+        result = asyncio.run(_run(options, settings, run_dir, continuing, out, started))
         interrupted = result.interrupted
         return result
     except KeyboardInterrupt:
@@ -269,24 +225,7 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _base_env(settings, config: Path | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()}
-    env |= {
-        "SPRAWL_RUN_ID": settings.run_id,
-        "SPRAWL_STATE_DIR": str(settings.state_dir.resolve()),
-        "SPRAWL_NATS__URL": settings.nats.url,
-    }
-    if getattr(settings.blobs, "endpoint_url", None):
-        env["SPRAWL_BLOBS__ENDPOINT_URL"] = settings.blobs.endpoint_url
-    if config is not None:
-        env["SPRAWL_CONFIG"] = str(config.resolve())
-    # Workers import the project from where this command runs (an editable install, or a checkout).
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
-async def _run(options: UpOptions, settings, config, run_dir: Path, continuing: bool, out: _Output, t0: float):
+async def _run(options: UpOptions, settings: UpSettings, run_dir: Path, continuing: bool, out: _Output, t0: float):
     from rich.live import Live
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -304,7 +243,7 @@ async def _run(options: UpOptions, settings, config, run_dir: Path, continuing: 
 
     event_log = await EventLog.connect(settings, worker="up")
     await apply(event_log.js, settings.streams, settings.run_id)
-    cfg = TaskConfig()
+    cfg = settings.task
 
     with Progress(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
@@ -325,34 +264,29 @@ async def _run(options: UpOptions, settings, config, run_dir: Path, continuing: 
     out.print(
         f"run {settings.run_id}: "
         + (f"continuing from v{start_version}" if continuing and head is not None else "new run")
-        + f", training to v{target} ({options.islands} islands: {', '.join(options.island_views())};"
-        f" correction {options.correction})"
+        + f", training to v{target} ({options.islands} islands: {', '.join(island_views(options, settings))};"
+        f" correction {correction_of(settings)})"
     )
 
     blobs = open_blob_store(settings.blobs)
     monitor = RunMonitor(event_log, blobs, settings.run_id)
     monitor.start()
     first_index = await prompts_in_log(event_log, settings.run_id)
-    driver = PromptDriver(event_log, settings.run_id, options, cfg, first_index)
+    driver = PromptDriver(event_log, settings.run_id, settings, first_index)
     supervisor = Supervisor(run_dir / "logs")
-    for spec in worker_specs(
-        options,
-        base_env=_base_env(settings, config),
-        model_dir=model_dir,
-        state_dir=settings.state_dir.resolve(),
-        max_version=target,
-    ):
+    plans = worker_plans(settings, options, model_dir=model_dir, max_version=target)
+    for spec in worker_specs(plans, run_dir / "config"):
         supervisor.add(spec)
 
     stop = stop_on_signals(signal.SIGHUP)
-    live_wanted = options.live if options.live is not None else out.console.is_terminal
+    live_wanted = options.live and out.console.is_terminal
     # Groups the remaining updates can use: published groups are never wasted beyond the last update.
-    groups_needed = (target - start_version) * options.groups_per_batch
+    groups_needed = (target - start_version) * settings.trainer.groups_per_batch
     phase = "starting workers"
     interrupted = False
     last_line = 0.0
     await _wait_caught_up(monitor, start_version if head is not None else None, first_index)
-    stop_after = first_index + groups_needed + options.groups_ahead
+    stop_after = first_index + groups_needed + settings.prompts.groups_ahead
     live = Live(console=out.console, refresh_per_second=4, transient=False) if live_wanted else None
     try:
         if live is not None:
@@ -399,7 +333,8 @@ async def _run(options: UpOptions, settings, config, run_dir: Path, continuing: 
         await asyncio.to_thread(supervisor.stop)  # idempotent: nothing is left behind on any exit
     report_path = None
     if not interrupted:
-        report_path = await _archive_and_report(settings, config, run_dir, out)
+        archiver = next(p.settings for p in plans if p.name == "archiver")
+        report_path = await _archive_and_report(settings, archiver, run_dir, out)
     await asyncio.sleep(0.5)  # the monitor reads the last rewards and heartbeats
     await monitor.stop()
     await event_log.close()
@@ -426,27 +361,18 @@ async def _wait_caught_up(monitor, head: int | None, prompts: int, timeout_s: fl
         await asyncio.sleep(0.1)
 
 
-async def _archive_and_report(settings, config: Path | None, run_dir: Path, out: _Output) -> Path | None:
+async def _archive_and_report(settings, archiver_settings, run_dir: Path, out: _Output) -> Path | None:
     from pipeline.audit import open_archive
-    from pipeline.config import load_settings
-    from workers.archiver import ArchiverSettings, drain_once
-    from workers.up.report import write_report
+    from workers.archiver import drain_once
+    from workers.up.report import write_run_report
 
-    # The archiver worker's own settings (TOML and environment included), at the stack `up` runs on.
-    archiver_settings = load_settings(
-        ArchiverSettings,
-        config,
-        run_id=settings.run_id,
-        state_dir=settings.state_dir,
-        nats=settings.nats,
-        blobs=settings.blobs,
-    )
+    # The archiver worker's own settings: the drain archives exactly as the worker did.
     archived = await drain_once(archiver_settings)
     log.info("archive drained", events=archived)
 
     def _report() -> Path:
         con, views = open_archive(settings)
-        return write_report(con, views, settings.run_id, run_dir / "report.html")
+        return write_run_report(con, views, settings.run_id, run_dir)
 
     try:
         return await asyncio.to_thread(_report)

@@ -1,6 +1,6 @@
 """The prompt driver of `sprawl up`: demo-task prompt groups into the log, a bounded window ahead.
 
-Publishing stays `groups_ahead` groups beyond what the trainer has taken, so the samplers are never
+Publishing stays `prompts.groups_ahead` groups beyond what the trainer has taken, so the samplers are never
 idle and never far ahead: staleness stays near groups_ahead / groups_per_batch versions without
 any lockstep between trainer and fleet. Group i of a run is always the same problem, so a
 re-published group deduplicates in the log.
@@ -8,28 +8,29 @@ re-published group deduplicates in the log.
 
 from __future__ import annotations
 
-from workers.up.demo_task import VOCAB_SIZE, TaskConfig
+from workers.up.demo_task import VOCAB_SIZE
+from workers.up.options import UpSettings
 
 
 class PromptDriver:
-    """Keeps `groups_ahead` prompt groups published beyond what the trainer has taken."""
+    """Keeps `prompts.groups_ahead` prompt groups published beyond what the trainer has taken."""
 
-    def __init__(self, event_log, run_id: str, options, cfg: TaskConfig, first_index: int):
-        self.log, self.run_id, self.options, self.cfg = event_log, run_id, options, cfg
+    def __init__(self, event_log, run_id: str, settings: UpSettings, first_index: int):
+        self.log, self.run_id, self.settings = event_log, run_id, settings
         self.next_index = first_index
 
     async def top_up(self, trained_groups: int, stop_after: int) -> None:
         """Publish until the window is full (never beyond the groups the remaining updates need)."""
         from workers.up.demo_task import prompt_group
 
-        limit = min(trained_groups + self.options.groups_ahead, stop_after)
+        limit = min(trained_groups + self.settings.prompts.groups_ahead, stop_after)
         while self.next_index < limit:
             group = prompt_group(
                 self.run_id,
                 self.next_index,
-                self.cfg,
-                n_samples=self.options.group_size,
-                top_p=self.options.top_p,
+                self.settings.task,
+                n_samples=self.settings.trainer.group_size,
+                top_p=self.settings.prompts.top_p,
                 top_logprobs=VOCAB_SIZE,
             )
             await self.log.append(group)

@@ -42,7 +42,7 @@ def summarize(
     for name, worker in supervisor.workers.items():
         if name.startswith("sampler-"):
             island_id = name.removeprefix("sampler-")
-            view = worker.spec.env.get("SPRAWL_ISLAND__VIEW", "")
+            view = worker.spec.labels.get("view", "")
             islands.append({"island": island_id, "view": view})
     per_view = dict(state.trajectories_by_view)
     for island in islands:

@@ -35,6 +35,8 @@ class WorkerSpec:
     name: str
     argv: list[str]
     env: dict[str, str]
+    labels: dict[str, str] = field(default_factory=dict)
+    """What the run's summary says about the worker (e.g. an island's `view`)."""
 
 
 @dataclass
