@@ -89,9 +89,16 @@ def test_every_worker_and_tool_has_its_command():
 
 
 def _main(capsys, *argv: str) -> tuple[int, str, str]:
+    import structlog
+
     from workers.cli import main
 
-    code = main(list(argv))
+    saved = structlog.get_config()
+    try:
+        code = main(list(argv))
+    finally:
+        # `main` points the logs at this test's captured stderr, which closes with the test.
+        structlog.configure(**saved)
     out = capsys.readouterr()
     return code, out.out, out.err
 
