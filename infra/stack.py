@@ -319,6 +319,24 @@ def _start_nats(directory: Path, section: StackSection) -> ServerRecord:
     return _spawn("nats", [shutil.which("nats-server") or "nats-server", "-c", str(conf)], directory)
 
 
+def start_nats(directory: Path, section: StackSection) -> ServerRecord:
+    """A nats-server alone, started and healthy (`record.endpoint` is its client URL); stop it with
+    `stop_servers([record])`. For tests and tools that need a log server of their own to stop."""
+    record = _start_nats(directory, section)
+    try:
+        deadline = time.monotonic() + section.start_timeout_s
+        _, monitor_url = _nats_endpoints(record, section, deadline)
+        _wait_nats(record, monitor_url, section, deadline)
+    except BaseException:  # a half-started server must not outlive the failed start
+        _stop_servers([record])
+        raise
+    return record
+
+
+def stop_servers(servers: list[ServerRecord]) -> list[str]:
+    return _stop_servers(servers)
+
+
 def _nats_endpoints(record: ServerRecord, section: StackSection, deadline: float) -> tuple[str, str]:
     """The client URL and monitoring URL nats-server bound, from its ports file."""
     ports_file = Path(record.log_file).parent / f"nats-server_{record.pid}.ports"
@@ -466,10 +484,8 @@ def _wait_s3(record: ServerRecord, section: StackSection, s3: S3BlobSettings, de
                 store.ensure_bucket()
                 store.list_keys("sprawl-health/")
                 break
-            except BlobStoreError as exc:
+            except BlobStoreError as exc:  # the blob store turns every botocore failure into one of these
                 last = str(exc)
-            except Exception as exc:  # botocore raises many shapes while the server boots
-                last = repr(exc)
             if time.monotonic() > deadline:
                 raise StackError(
                     f"SeaweedFS S3 not healthy within {section.start_timeout_s:.0f}s: {last}",

@@ -12,9 +12,23 @@ import structlog
 LogFormat = Literal["auto", "json", "console"]
 
 
+class _CurrentStderr:
+    """Whatever `sys.stderr` is at each write. Test runners and daemons swap it; a logger that kept
+    the stream of the moment it was configured writes into a closed file later."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
 def configure_logging(run_id: str, fmt: LogFormat = "auto", level: str = "INFO", file: Path | None = None) -> None:
     """Logs go to stderr, or appended to `file` (when the terminal belongs to a live view)."""
-    stream = file.open("a", buffering=1) if file is not None else sys.stderr
+    stream = file.open("a", buffering=1) if file is not None else _CurrentStderr()
     use_console = fmt == "console" or (fmt == "auto" and stream.isatty())
     renderer = structlog.dev.ConsoleRenderer() if use_console else structlog.processors.JSONRenderer()
     structlog.configure(

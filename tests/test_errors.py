@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 
 import pytest
 
@@ -34,7 +33,7 @@ from pipeline.replay import replay
 from pipeline.subjects import trajectories_filter
 from pipeline.views import VIEWS, get_view
 from tests.events import trajectory
-from tests.servers import TEST_STREAMS, free_port, new_run_id
+from tests.servers import START_TIMEOUT_S, TEST_STREAMS, free_port, new_run_id
 
 # ------------------------------------------------------------------ registries
 
@@ -99,18 +98,13 @@ def test_s3_read_timeout_is_transient():
 @pytest.fixture
 def private_nats(tmp_path):
     """A nats-server of our own (the session one is shared), stopped by pid at the end if still up."""
-    section = StackSection(nats_port=free_port(), nats_monitor_port=free_port(), start_timeout_s=30.0)
-    record = stack._start_nats(tmp_path, section)
+    section = StackSection(nats_port=0, nats_monitor_port=0, start_timeout_s=START_TIMEOUT_S)
+    record = stack.start_nats(tmp_path, section)
     servers = [record]
     try:
-        deadline = time.monotonic() + section.start_timeout_s
-        # A launcher shim (pyenv's, say) runs under another name until it execs the server.
-        while not stack._pid_alive(record.pid, "nats-server") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        stack._wait_nats(record, section, deadline)
-        yield f"nats://127.0.0.1:{section.nats_port}", lambda: stack._stop_servers(servers)
+        yield record.endpoint, lambda: stack.stop_servers(servers)
     finally:
-        stack._stop_servers(servers)
+        stack.stop_servers(servers)
 
 
 @pytest.fixture

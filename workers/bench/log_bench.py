@@ -16,6 +16,7 @@ from infra.stack import StackSettings
 from infra.streams import apply
 from pipeline.eventlog import EventLog
 from pipeline.logs import configure_logging
+from pipeline.topology import Kind, run_subject, token
 from schemas import encode_event
 from schemas.events import IslandIdentity, Trajectory, VersionSpan
 from workers.bench.private_stack import private_stack
@@ -70,13 +71,14 @@ async def _measure(settings: StackSettings, quick: bool) -> tuple[list[dict], di
             ours_s = raw_s = 0.0
             claim_checked = False
             # Round 0 warms connections, the stream's file blocks and S3; it is not counted.
+            raw_subject = run_subject(token(settings.run_id, "run_id"), Kind.TRAJECTORIES, "raw")
             for r in range(rounds + 1):
                 events = [_event(settings.run_id, size, r * per_round + i) for i in range(per_round)]
                 raw = [encode_event(e) for e in events]
                 ours_first = r % 2 == 1
                 if ours_first:
                     ours, claim = await _time_ours(event_log, events)
-                raw_time = await _time_raw(event_log, f"rl.{settings.run_id}.traj.raw", raw)
+                raw_time = await _time_raw(event_log, raw_subject, raw)
                 if not ours_first:
                     ours, claim = await _time_ours(event_log, events)
                 claim_checked |= claim

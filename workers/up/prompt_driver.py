@@ -8,6 +8,8 @@ re-published group deduplicates in the log.
 
 from __future__ import annotations
 
+from pipeline.subjects import prompts_subject
+from pipeline.topology import PROMPTS
 from workers.up.demo_task import VOCAB_SIZE
 from workers.up.options import UpSettings
 
@@ -38,11 +40,8 @@ class PromptDriver:
 
 
 async def prompts_in_log(event_log, run_id: str) -> int:
-    from pipeline.subjects import prompts_subject
-
+    """How many prompt groups the run has, so a continued run numbers new groups after them. A log
+    that does not answer raises: reading silence as 0 would reuse group ids."""
     subject = prompts_subject(run_id)
-    try:
-        info = await event_log.js.stream_info("PROMPTS", subjects_filter=subject)
-    except Exception:
-        return 0
+    info = await event_log.js.stream_info(PROMPTS.name, subjects_filter=subject)
     return int((info.state.subjects or {}).get(subject, 0))
