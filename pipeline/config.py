@@ -80,7 +80,10 @@ class NatsSettings(Section):
     connect_timeout_s: float = Field(5.0, gt=0)
     """Timeout of one connection attempt."""
     reconnect_wait_s: float = Field(0.5, ge=0)
-    """Wait between reconnect attempts; the client reconnects forever."""
+    """Wait between reconnect attempts; once connected, the client reconnects forever."""
+    connect_attempts: int = Field(3, ge=2)
+    """Attempts per server of the first connection before giving up with an error (the worker
+    exits non-zero and its supervisor restarts it, visibly); at least 2, as the client counts."""
 
     @field_validator("url")
     @classmethod

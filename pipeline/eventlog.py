@@ -71,13 +71,16 @@ def default_producer(worker: str) -> str:
 
 
 async def connect_nats(settings: NatsSettings, name: str) -> NATS:
-    """Connect with unlimited reconnects: a restarted server must not end a worker."""
+    """Connect, giving up after `connect_attempts` per server with LogUnavailable; once connected,
+    reconnect forever: a restarted server must not end a worker, but a server that was never there
+    must not leave one alive, silent and retrying."""
     options: dict[str, object] = {
         "servers": [u.strip() for u in settings.url.split(",")],
         "name": name,
         "connect_timeout": settings.connect_timeout_s,
         "reconnect_time_wait": settings.reconnect_wait_s,
-        "max_reconnect_attempts": -1,
+        # nats-py drops a server after max_reconnect_attempts + 1 failures, the first connect included.
+        "max_reconnect_attempts": settings.connect_attempts - 1,
         "allow_reconnect": True,
     }
     if settings.user:
@@ -98,7 +101,15 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
     async def on_error(exc: Exception) -> None:
         log.warning("nats client error", error=str(exc))
 
-    await nc.connect(disconnected_cb=on_disconnected, reconnected_cb=on_reconnected, error_cb=on_error, **options)
+    try:
+        await nc.connect(disconnected_cb=on_disconnected, reconnected_cb=on_reconnected, error_cb=on_error, **options)
+    except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
+        raise LogUnavailable(
+            f"connecting to {settings.url} ({settings.connect_attempts} attempts per server)",
+            exc,
+            hint="is nats-server running and reachable? `sprawl stack status` shows the local one",
+        ) from exc
+    nc.options["max_reconnect_attempts"] = -1  # from now on a restart of the server is waited out
     return nc
 
 

@@ -16,11 +16,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import duckdb
-import nats.errors
-from nats.aio.client import Client as NATS
 
-from pipeline.config import NatsSettings, S3BlobSettings, SprawlSettings
-from pipeline.errors import LogError, SprawlError
+from pipeline.config import S3BlobSettings, SprawlSettings
+from pipeline.errors import SprawlError
 
 
 def extension_directory() -> Path:
@@ -142,54 +140,3 @@ def _one_line(message: str) -> str:
         if line.strip():
             kept.append(line.strip())
     return " ".join(kept) or message.strip()
-
-
-# ------------------------------------------------------------------ the log, before `--fresh`
-
-
-class LogUnreachable(LogError):
-    def __init__(self, url: str, attempts: int, cause: str):
-        self.url = url
-        super().__init__(
-            f"the log at {url} is unreachable after {attempts} connection attempts per server: {cause}",
-            hint="is NATS running? `sprawl stack status` shows the local stack, SPRAWL_NATS__URL names another; "
-            "without --fresh the query reads what is archived already",
-        )
-
-
-async def check_log_reachable(nats_settings: NatsSettings, *, attempts: int = 2) -> None:
-    """Connect to the log once and disconnect, or raise `LogUnreachable` after `attempts` tries per
-    server, each bounded by `nats_settings.connect_timeout_s`.
-
-    `--fresh` drains the log through the workers' connection, which retries a refused first connect
-    forever (a worker outlives a restarting server); a command someone is waiting on must give up.
-    nats-py tries every server at least twice before it gives up, hence `attempts` >= 2.
-    """
-    if attempts < 2:
-        raise ValueError(f"attempts must be at least 2 (nats-py retries each server once at least), got {attempts}")
-    last_error: list[str] = []
-
-    async def remember(exc: Exception) -> None:  # instead of a warning line per failed attempt
-        last_error[:] = [str(exc) or type(exc).__name__]
-
-    options: dict[str, object] = {
-        "servers": [u.strip() for u in nats_settings.url.split(",")],
-        "name": "sprawl-sql-fresh",
-        "connect_timeout": nats_settings.connect_timeout_s,
-        "reconnect_time_wait": nats_settings.reconnect_wait_s,
-        "max_reconnect_attempts": attempts - 1,  # nats-py: first try + this many, per server
-        "allow_reconnect": False,
-        "error_cb": remember,
-    }
-    if nats_settings.user:
-        options["user"] = nats_settings.user
-        options["password"] = nats_settings.password.get_secret_value() if nats_settings.password else ""
-    if nats_settings.creds_file:
-        options["user_credentials"] = str(nats_settings.creds_file)
-    nc = NATS()
-    try:
-        await nc.connect(**options)
-    except (OSError, TimeoutError, nats.errors.Error) as exc:
-        cause = last_error[0] if last_error else str(exc) or type(exc).__name__
-        raise LogUnreachable(nats_settings.url, attempts, cause) from None
-    await nc.close()

@@ -242,25 +242,21 @@ def _archive(settings, fresh: bool):
     from pipeline.audit import open_archive
 
     if fresh:
-        from pipeline.sql import check_log_reachable
         from workers.archiver import drain_once
 
-        async def drain() -> None:
-            await check_log_reachable(settings.nats)  # bounded: the drain itself would wait for the log forever
-            await drain_once(settings)
-
-        asyncio.run(drain())
+        asyncio.run(drain_once(settings))  # an unreachable log fails after nats.connect_attempts
     return open_archive(settings)
 
 
 def cmd_sql(options: SqlOptions, settings) -> int:
     """DuckDB SQL over the run's archive (views named after the events), or plain DuckDB if there is none."""
     from pipeline.audit import VIEWS, ArchiveMissing, query
-    from pipeline.sql import LogUnreachable, open_duckdb, user_query_errors
+    from pipeline.errors import LogUnavailable
+    from pipeline.sql import open_duckdb, user_query_errors
 
     try:
         con, views = _archive(settings, options.fresh)
-    except LogUnreachable:
+    except LogUnavailable:  # --fresh asked for what is in the log: an answer without it would mislead
         raise
     except (ArchiveMissing, SprawlError) as exc:  # no archive (or no S3): plain DuckDB still answers
         if any(re.search(rf"\b{name}\b", options.query.lower()) for name in VIEWS):
