@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import Awaitable, Callable
 
+from pipeline.errors import SprawlError
 from pipeline.eventlog import EventLog
 
 
@@ -26,3 +28,26 @@ async def run_connected(settings, worker: str, body: Callable[[EventLog, asyncio
         await body(event_log, stop)
     finally:
         await event_log.close()
+
+
+async def run_beside(work: Awaitable[None], helper: asyncio.Task, stop: asyncio.Event, what: str) -> None:
+    """Run `work` (which returns once `stop` is set) beside `helper`, a task meant to live as long as it.
+
+    A helper that ends first has failed: the work is stopped (it finishes what is in hand) and the
+    helper's error is raised, so the process exits non-zero instead of living on with a dead part.
+    """
+    working = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({working, helper}, return_when=asyncio.FIRST_COMPLETED)
+        if helper.done():
+            stop.set()
+            await working
+            if not helper.cancelled() and (error := helper.exception()) is not None:
+                raise error
+            raise SprawlError(f"{what} ended while the worker was running", hint="see the log lines before this one")
+        await working
+    finally:
+        if not helper.done():
+            helper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await helper

@@ -1,0 +1,44 @@
+"""A worker's parts live and die together: a background part that fails stops the worker loudly."""
+
+import asyncio
+
+import pytest
+
+from pipeline.errors import SprawlError
+from workers.lifecycle import run_beside
+
+
+async def _work(stop: asyncio.Event, finished: list[str]) -> None:
+    await stop.wait()
+    finished.append("drained")  # what was in hand is finished before the error surfaces
+
+
+async def test_a_failing_helper_stops_the_work_and_raises_its_error():
+    stop, finished = asyncio.Event(), []
+
+    async def heartbeat() -> None:
+        await asyncio.sleep(0)
+        raise OSError("the heartbeat's socket broke")
+
+    with pytest.raises(OSError, match="socket broke"):
+        await run_beside(_work(stop, finished), asyncio.create_task(heartbeat()), stop, "the heartbeat")
+    assert stop.is_set() and finished == ["drained"]
+
+
+async def test_a_helper_that_returns_is_a_failure_too():
+    stop, finished = asyncio.Event(), []
+
+    async def projection() -> None:
+        return None
+
+    with pytest.raises(SprawlError, match="the prompt projection ended"):
+        await run_beside(_work(stop, finished), asyncio.create_task(projection()), stop, "the prompt projection")
+    assert finished == ["drained"]
+
+
+async def test_the_helper_is_cancelled_when_the_work_ends():
+    stop = asyncio.Event()
+    helper = asyncio.create_task(asyncio.Event().wait())
+    stop.set()
+    await run_beside(_work(stop, []), helper, stop, "the helper")
+    assert helper.cancelled()
