@@ -23,13 +23,14 @@ import msgspec
 import nats.errors
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import Field
 
 from pipeline.blobstore import BlobStore, open_blob_store
 from pipeline.config import Section, SprawlSettings
 from pipeline.errors import PoisonEvent
 from pipeline.eventlog import NO_ANSWER, EventLog
 from pipeline.logs import get_logger
-from pipeline.topology import STREAMS, ConsumerRole, Stream, consumer_for
+from pipeline.topology import ARCHIVER_MAX_ACK_PENDING, STREAMS, ConsumerRole, Stream, consumer_for
 from schemas.archive import JSON_TEXT_FIELDS, UNDECODABLE, ArchiveKey, archive_date, run_prefix
 from workers.lifecycle import run_connected
 
@@ -37,12 +38,14 @@ log = get_logger(__name__)
 
 
 class ArchiveSection(Section):
-    flush_events: int = 5000
-    """Flush a stream's buffer once it holds this many events."""
-    flush_interval_s: float = 5.0
+    flush_events: int = Field(5000, ge=1)
+    """Flush a stream's buffer once it holds this many events (above the consumer's max_ack_pending,
+    ARCHIVER_MAX_ACK_PENDING, flushes happen by time only: unacked events stop deliveries)."""
+    flush_interval_s: float = Field(5.0, gt=0)
     """... or once its oldest event has waited this long (the freshness of SQL queries)."""
-    fetch_batch: int = 1000
-    """Messages fetched per pull."""
+    fetch_batch: int = Field(1000, ge=1, le=ARCHIVER_MAX_ACK_PENDING)
+    """Messages fetched per pull; at most the archiver consumer's max_ack_pending
+    (ARCHIVER_MAX_ACK_PENDING), since a pull may not ask for more than may be unacked."""
 
 
 class ArchiverSettings(SprawlSettings):

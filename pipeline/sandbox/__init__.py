@@ -18,8 +18,10 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Protocol
+
+from pydantic import Field, ValidationInfo, field_validator
 
 from pipeline.config import Section
 from pipeline.errors import SprawlError
@@ -45,40 +47,81 @@ __all__ = [
 ]
 
 
+UID_LIMIT = 2**32 - 1
+"""(uid_t)-1 means "no uid" to the kernel: every sandbox uid is below it."""
+
+
 class SandboxSettings(Section):
     backend: str = "bwrap"
     """A key of `SANDBOX_BACKENDS`: `bwrap` (isolated), `none` (trusted verifiers only; logs a warning),
     `modal` (needs the modal package)."""
-    bwrap: str = "bwrap"
+    bwrap: str = Field("bwrap", min_length=1)
     """The bubblewrap binary: a name looked up on PATH, or a path (Debian package `bubblewrap`)."""
     python: str = "/usr/bin/python3"
-    """Interpreter inside the sandbox (must live under /usr, the only host tree mounted)."""
-    cpu_seconds: int = 5
+    """Interpreter inside the sandbox, an absolute path (for `bwrap`, under /usr: the only host tree
+    mounted)."""
+    cpu_seconds: int = Field(5, ge=1)
     """RLIMIT_CPU: past it the kernel sends SIGXCPU (and SIGKILL one second later)."""
-    memory_mb: int = 512
+    memory_mb: int = Field(512, ge=1)
     """RLIMIT_AS."""
-    max_processes: int = 32
+    max_processes: int = Field(32, ge=1)
     """RLIMIT_NPROC for the sandbox's own uid."""
-    max_file_mb: int = 16
+    max_file_mb: int = Field(16, ge=1)
     """RLIMIT_FSIZE."""
-    max_open_files: int = 64
+    max_open_files: int = Field(64, ge=1)
     """RLIMIT_NOFILE."""
-    wall_timeout_s: float = 10.0
+    wall_timeout_s: float = Field(10.0, gt=0)
     """Wall clock from submission; the whole sandbox is killed when it passes."""
-    max_output_bytes: int = 64 * 1024
+    max_output_bytes: int = Field(64 * 1024, ge=1)
     """stdout and stderr are each cut (and the program killed) past this."""
-    pool_size: int = 4
-    """Warm sandboxes kept ready: size it to the rollout concurrency."""
-    uid_base: int = 61000
-    """First uid sandboxes may run as. Each pool leases its own range of uids above it (one uid per
-    slot, so process limits are per sandbox and no two pools on a host share a uid)."""
-    uid_span: int = 4096
-    """How many uids above `uid_base` pools may lease from (every pool on a host shares this space)."""
+    pool_size: int = Field(4, ge=0)
+    """Warm sandboxes kept ready: size it to the rollout concurrency (0: every program starts a
+    sandbox cold)."""
+    uid_base: int = Field(61000, ge=1000, lt=UID_LIMIT)
+    """First uid sandboxes may run as (1000 or above: never a system account's). Each pool leases its
+    own range of uids above it (one uid per slot, so process limits are per sandbox and no two pools on
+    a host share a uid)."""
+    uid_span: int = Field(4096, ge=1, validate_default=True)
+    """How many uids above `uid_base` pools may lease from (every pool on a host shares this space); a
+    bubblewrap pool leases 2 * max(pool_size, 1) of them, and uid_base + uid_span stays below 2**32 - 1."""
     uid_lock_dir: Path = Path("/tmp/sprawl-sandbox-uids")
     """Where uid leases are held: one flock'ed file per uid, released when the pool closes or its
     process exits."""
-    tmpfs_mb: int = 64
+    tmpfs_mb: int = Field(64, ge=1)
     """Size of the private working directory."""
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, value: str) -> str:
+        if value not in SANDBOX_BACKENDS:
+            raise ValueError(f"unknown sandbox backend {value!r}: one of {', '.join(sorted(SANDBOX_BACKENDS))}")
+        return value
+
+    @field_validator("python")
+    @classmethod
+    def _absolute_interpreter(cls, value: str) -> str:
+        if not PurePosixPath(value).is_absolute():
+            raise ValueError(f"{value!r} is not an absolute path: the sandbox has no PATH to look it up on")
+        return value
+
+    @field_validator("uid_span")
+    @classmethod
+    def _uids_fit(cls, value: int, info: ValidationInfo) -> int:
+        base, pool_size = info.data.get("uid_base"), info.data.get("pool_size")
+        if base is not None and base + value > UID_LIMIT:
+            raise ValueError(f"uid_base + uid_span is {base + value}: the last uid must stay below {UID_LIMIT}")
+        if pool_size is not None and pool_slots(pool_size) > value:
+            raise ValueError(
+                f"a pool of {pool_size} warm sandboxes leases {pool_slots(pool_size)} uids, more than uid_span: "
+                "raise it or lower pool_size"
+            )
+        return value
+
+
+def pool_slots(pool_size: int) -> int:
+    """uids a bubblewrap pool of `pool_size` warm sandboxes leases (`BwrapSandboxPool.slots`): twice the
+    pool, and at least 2, so that a pool of 0 still runs programs (each started cold)."""
+    return max(pool_size, 1) * 2
 
 
 class SandboxUnavailable(SprawlError):

@@ -16,6 +16,8 @@ import asyncio
 import contextlib
 import time
 
+from pydantic import Field, field_validator
+
 from pipeline.config import SprawlSettings
 from pipeline.consumer import Consumer, Delivery
 from pipeline.errors import PoisonEvent, TransientError
@@ -26,7 +28,7 @@ from pipeline.sandbox import Sandbox, SandboxSettings, SandboxUnavailable, open_
 from pipeline.topology import PROMPTS, ConsumerRole, consumer_for, prompts_filter
 from schemas import PromptGroup, Reward, Trajectory
 from workers.lifecycle import run_connected
-from workers.rewards.verifiers import Verifier, verifier
+from workers.rewards.verifiers import VERIFIERS, Verifier, verifier
 
 log = get_logger(__name__)
 
@@ -34,13 +36,24 @@ log = get_logger(__name__)
 class RewardSettings(SprawlSettings):
     sandbox: SandboxSettings = SandboxSettings()
     """Where verifier programs run (opened only when a routed verifier needs it)."""
-    concurrency: int = 4
+    concurrency: int = Field(4, ge=1)
     """Trajectories verified at once (the warm pool should be at least this large)."""
     routes: dict[str, str] = {"arith": "exact", "exact": "exact", "format": "format"}
     """Task -> verifier (a key of `VERIFIERS`). Code tasks are opt-in because they need bubblewrap:
     e.g. SPRAWL_ROUTES='{"arith": "exact", "code": "code_tests"}'."""
-    prompt_wait_s: float = 30.0
+    prompt_wait_s: float = Field(30.0, gt=0)
     """How long a trajectory may wait for its prompt group to show up before it is retried later."""
+
+    @field_validator("routes")
+    @classmethod
+    def _registered_verifiers(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = sorted({name for name in value.values() if name not in VERIFIERS})
+        if unknown:
+            raise ValueError(
+                f"unknown verifier{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
+                f"route tasks to {', '.join(sorted(VERIFIERS))}"
+            )
+        return value
 
 
 def routed_verifiers(settings: RewardSettings) -> dict[str, Verifier]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import time
 from collections import deque
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 import nats.errors
 
 from pipeline.blobstore import BlobStore
-from pipeline.config import MaterializeSettings, Section
 from pipeline.errors import SprawlError
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
@@ -28,33 +28,9 @@ from pipeline.subjects import policy_filter
 from pipeline.version_log import VersionNotAvailable, chain_head
 from schemas import IslandIdentity, VersionConstraint
 from workers.sampler.engines.base import Capabilities, Engine, EngineError
+from workers.sampler.settings import IslandSection
 
 log = get_logger(__name__)
-
-
-class IslandSection(Section):
-    island_id: str = ""
-    """Stable id of this island (default: `<host>-<view>`); trajectories and heartbeats carry it."""
-    group: str = ""
-    """Sampler group for per-group metrics (default: the view)."""
-    view: str = "bf16"
-    """Which served view this island materializes and serves."""
-    engine: str = "torch"
-    """`torch` (reference engine), `vllm` or `sglang`."""
-    engine_url: str = ""
-    """Base URL of the engine's HTTP server (vllm / sglang)."""
-    device: str = "cpu"
-    """Device of the reference engine (`cpu`, `cuda`, `cuda:1`)."""
-    compute_dtype: str = "bfloat16"
-    """Compute dtype of the reference engine; the view decides the weights' bits."""
-    top_logprobs: int = 32
-    """Top-k (id, logprob) pairs returned per generated token (score centering needs 32-128)."""
-    region: str = ""
-    """Where the island runs, for audits (e.g. `eu-west`)."""
-    poll_interval_s: float = 2.0
-    """Fallback poll of the chain head, in case a wake-up message was missed."""
-    materialize: MaterializeSettings = MaterializeSettings()
-    """Where versions are cached on this island's disk."""
 
 
 def build_island(event_log: EventLog, blob_settings, run_id: str, section: IslandSection) -> Island:
@@ -70,6 +46,12 @@ def build_island(event_log: EventLog, blob_settings, run_id: str, section: Islan
         top_logprobs=section.top_logprobs,
     )
     return Island(event_log, open_blob_store(blob_settings), engine, run_id=run_id, settings=section)
+
+
+def default_island_id(view: str) -> str:
+    """`<host>-<view>`, made a subject token (heartbeat subjects end with it): a fully qualified host
+    name's dots, or any other character a token cannot hold, become '-'."""
+    return re.sub(r"[^a-z0-9_-]+", "-", f"{socket.gethostname()}-{view}".lower()).strip("-_")
 
 
 def _log_follower_death(task: asyncio.Task) -> None:
@@ -163,7 +145,7 @@ class Island:
 
     def identity(self) -> IslandIdentity:
         caps = self.capabilities
-        island_id = self.settings.island_id or f"{socket.gethostname()}-{self.settings.view}".lower()
+        island_id = self.settings.island_id or default_island_id(self.settings.view)
         return IslandIdentity(
             island_id=island_id,
             accelerator=caps.accelerator if caps else "unknown",

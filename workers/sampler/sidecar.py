@@ -25,31 +25,19 @@ from pathlib import Path
 
 from aiohttp import web
 
-from pipeline.config import Section, SprawlSettings
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
 from schemas import SamplingParams, VersionConstraint
 from workers.lifecycle import stop_on_signals
 from workers.sampler.engines.base import EngineError, GenerateRequest, Sample
-from workers.sampler.island import Island, IslandSection, VersionUnreachable, build_island
+from workers.sampler.island import Island, VersionUnreachable, build_island
+from workers.sampler.settings import HTTPSection as HTTPSection  # re-exported: they lived here
+from workers.sampler.settings import IslandSection as IslandSection
+from workers.sampler.settings import SidecarSettings
 
 log = get_logger(__name__)
 
 RETRY_AFTER_S = "1"
-
-
-class HTTPSection(Section):
-    host: str = "127.0.0.1"
-    """Interface to listen on."""
-    port: int = 8100
-    """Port to listen on (0: any free port)."""
-
-
-class SidecarSettings(SprawlSettings):
-    island: IslandSection = IslandSection()
-    """The engine and view behind this sidecar."""
-    http: HTTPSection = HTTPSection()
-    """Where the sidecar listens."""
 
 
 def _int(value: object) -> int | None:

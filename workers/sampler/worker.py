@@ -17,7 +17,6 @@ from pathlib import Path
 import msgspec
 import xxhash
 
-from pipeline.config import SprawlSettings
 from pipeline.consumer import Consumer, Delivery
 from pipeline.errors import PoisonEvent, TransientError
 from pipeline.eventlog import NO_ANSWER, EventLog
@@ -26,20 +25,11 @@ from pipeline.topology import ConsumerRole, consumer_for
 from schemas import IslandHeartbeat, PromptGroup, Trajectory
 from workers.lifecycle import run_connected
 from workers.sampler.engines.base import GenerateRequest, Sample
-from workers.sampler.island import Island, IslandSection, VersionUnreachable, build_island
+from workers.sampler.island import Island, VersionUnreachable, build_island
+from workers.sampler.settings import IslandSection as IslandSection  # re-exported: it lived here
+from workers.sampler.settings import SamplerSettings
 
 log = get_logger(__name__)
-
-
-class SamplerSettings(SprawlSettings):
-    island: IslandSection = IslandSection()
-    """The engine and view this sampler serves."""
-    max_staleness: int | None = None
-    """Largest accepted (head - serving) version gap; None: unbounded (the seed run's setting)."""
-    stop_token_ids: list[int] = []
-    """Extra stop tokens, besides the model config's eos_token_id."""
-    heartbeat_interval_s: float = 10.0
-    """How often the island reports its version, cache and throughput."""
 
 
 def trajectory_id(group_id: str, sample_index: int) -> str:
