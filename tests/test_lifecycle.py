@@ -42,3 +42,15 @@ async def test_the_helper_is_cancelled_when_the_work_ends():
     stop.set()
     await run_beside(_work(stop, []), helper, stop, "the helper")
     assert helper.cancelled()
+
+
+async def test_a_helper_that_ends_because_the_worker_stops_is_no_failure():
+    stop, finished = asyncio.Event(), []
+
+    async def projection() -> None:
+        await stop.wait()  # like a tail that follows the log until stop
+
+    helper = asyncio.create_task(projection())
+    stop.set()
+    await run_beside(_work(stop, finished), helper, stop, "the prompt projection")
+    assert finished == ["drained"]

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 
-from pipeline.errors import SprawlError
 from pipeline.replay import replay, tail
 from pipeline.sandbox import SandboxSettings
 from schemas import IslandIdentity, PromptGroup, Reward, Trajectory, VersionSpan
@@ -180,5 +180,5 @@ def test_the_sandbox_is_opened_only_for_verifiers_that_run_code():
     assert open_verifier_sandbox(RewardSettings(routes={"arith": "exact", "format": "format"})) is None
     opened = open_verifier_sandbox(RewardSettings(routes={"code": "code_tests"}))
     assert opened is not None and type(opened).__name__ == "BwrapSandboxPool"
-    with pytest.raises(SprawlError, match="unknown verifier 'regex'"):
+    with pytest.raises(ValidationError, match="unknown verifier 'regex'"):
         open_verifier_sandbox(RewardSettings(routes={"arith": "regex"}))

@@ -15,8 +15,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from pipeline.errors import SprawlError
 from pipeline.sandbox import SandboxSettings, SandboxUnavailable, open_sandbox
 from pipeline.sandbox.bubblewrap import BwrapSandboxPool, _become_subreaper, bwrap_argv
 from pipeline.sandbox.modal import modal_sandbox_request
@@ -219,7 +219,7 @@ def test_missing_bubblewrap_is_a_clear_error_never_a_fallback(monkeypatch, tmp_p
 
 
 def test_unknown_backend_names_the_known_ones():
-    with pytest.raises(SprawlError, match="bwrap, modal, none"):
+    with pytest.raises(ValidationError, match="bwrap, modal, none"):
         open_sandbox(SandboxSettings(backend="docker"))
 
 

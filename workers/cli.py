@@ -352,11 +352,11 @@ COMMANDS: dict[str, Command] = {
     ),
     "report": Command("an HTML run report with plots", cmd_report, ARCHIVE, ReportOptions, True),
     "archiver": Command("run the archiver (every event to Parquet on S3)", cmd_archiver, ARCHIVE),
-    "sampler": Command("run a sampler island", cmd_sampler, "workers.sampler.worker:SamplerSettings"),
+    "sampler": Command("run a sampler island", cmd_sampler, "workers.sampler.settings:SamplerSettings"),
     "sidecar": Command(
         "version-aware HTTP sidecar (OpenAI-compatible) for one engine",
         cmd_sidecar,
-        "workers.sampler.sidecar:SidecarSettings",
+        "workers.sampler.settings:SidecarSettings",
     ),
     "trainer": Command("run the trainer", cmd_trainer, "workers.trainer.settings:TrainerSettings"),
     "rewards": Command(

@@ -33,18 +33,21 @@ async def run_connected(settings, worker: str, body: Callable[[EventLog, asyncio
 async def run_beside(work: Awaitable[None], helper: asyncio.Task, stop: asyncio.Event, what: str) -> None:
     """Run `work` (which returns once `stop` is set) beside `helper`, a task meant to live as long as it.
 
-    A helper that ends first has failed: the work is stopped (it finishes what is in hand) and the
-    helper's error is raised, so the process exits non-zero instead of living on with a dead part.
+    A helper that ends first, before `stop`, has failed: the work is stopped (it finishes what is in
+    hand) and the helper's error is raised, so the process exits non-zero instead of living on with
+    a dead part. A helper that ends because `stop` was set is fine, unless it ended with an error.
     """
     working = asyncio.ensure_future(work)
     try:
         await asyncio.wait({working, helper}, return_when=asyncio.FIRST_COMPLETED)
         if helper.done():
+            stopping = stop.is_set()  # a helper may end because the worker is stopping: that is no failure
             stop.set()
             await working
             if not helper.cancelled() and (error := helper.exception()) is not None:
                 raise error
-            raise SprawlError(f"{what} ended while the worker was running", hint="see the log lines before this one")
+            if not stopping:
+                raise SprawlError(f"{what} ended while the worker was running", hint="see the log lines before it")
         await working
     finally:
         if not helper.done():

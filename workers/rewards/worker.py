@@ -13,7 +13,6 @@ start, in one line naming the package, when bubblewrap is missing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 from pydantic import Field, field_validator
@@ -27,7 +26,7 @@ from pipeline.replay import tail
 from pipeline.sandbox import Sandbox, SandboxSettings, SandboxUnavailable, open_sandbox
 from pipeline.topology import PROMPTS, ConsumerRole, consumer_for, prompts_filter
 from schemas import PromptGroup, Reward, Trajectory
-from workers.lifecycle import run_connected
+from workers.lifecycle import run_beside, run_connected
 from workers.rewards.verifiers import VERIFIERS, Verifier, verifier
 
 log = get_logger(__name__)
@@ -155,18 +154,10 @@ class RewardWorker:
             concurrency=self.settings.concurrency,
             fetch_timeout_s=0.5,
         )
-        rewarding = asyncio.create_task(consumer.run(stop))
         try:
-            await asyncio.wait({rewarding, prompts}, return_when=asyncio.FIRST_COMPLETED)
-            if prompts.done():  # without the prompt projection every trajectory would wait, then dead-letter
-                stop.set()
-                await rewarding
-                prompts.result()
-            await rewarding
+            # Without the prompt projection every trajectory would wait, then be dead-lettered.
+            await run_beside(consumer.run(stop), prompts, stop, "the prompt projection")
         finally:
-            prompts.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await prompts
             if self.sandbox is not None:
                 await self.sandbox.close()
 

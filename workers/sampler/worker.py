@@ -9,7 +9,6 @@ group id, so a group redone elsewhere after a crash reproduces and replaces, nev
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from pipeline.eventlog import NO_ANSWER, EventLog
 from pipeline.logs import get_logger
 from pipeline.topology import ConsumerRole, consumer_for
 from schemas import IslandHeartbeat, PromptGroup, Trajectory
-from workers.lifecycle import run_connected
+from workers.lifecycle import run_beside, run_connected
 from workers.sampler.engines.base import GenerateRequest, Sample
 from workers.sampler.island import Island, VersionUnreachable, build_island
 from workers.sampler.settings import IslandSection as IslandSection  # re-exported: it lived here
@@ -168,18 +167,11 @@ class SamplerWorker:
         beats = asyncio.create_task(self._heartbeats())
         prompts = consumer_for(self.settings.run_id, ConsumerRole.SAMPLERS)
         consumer = Consumer(self.log, prompts.stream.name, prompts.name, self.handle, batch=1, fetch_timeout_s=0.5)
-        serving = asyncio.create_task(consumer.run(stop))  # returns after the group in hand: SIGTERM drains
         try:
-            await asyncio.wait({serving, beats}, return_when=asyncio.FIRST_COMPLETED)
-            if beats.done():  # a dead heartbeat loop must not leave a sampler alive and invisible
-                stop.set()
-                await serving
-                beats.result()
-            await serving
+            # The consumer returns after the group in hand (SIGTERM drains); a dead heartbeat loop
+            # must not leave a sampler alive and invisible.
+            await run_beside(consumer.run(stop), beats, stop, "the heartbeat loop")
         finally:
-            beats.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beats
             self.island.state = "draining"
             try:
                 await self.log.append(self.heartbeat())
