@@ -11,9 +11,10 @@ from pipeline.eventlog import EventLog
 from pipeline.replay import replay
 from pipeline.topology import DEADLETTER
 from schemas import DeadLetter
+from tests.servers import HANG_GUARD_S
 
 
-async def run_until(consumer: Consumer, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
+async def run_until(consumer: Consumer, done: Callable[[], bool], timeout_s: float = HANG_GUARD_S) -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(consumer.run(stop))
     deadline = time.monotonic() + timeout_s
@@ -27,7 +28,7 @@ async def run_until(consumer: Consumer, done: Callable[[], bool], timeout_s: flo
             await asyncio.sleep(0.05)
     finally:
         stop.set()
-        await asyncio.wait_for(task, timeout=10)
+        await asyncio.wait_for(task, timeout=HANG_GUARD_S)
 
 
 async def dead_letters(event_log: EventLog, run_id: str) -> list[DeadLetter]:

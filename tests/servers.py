@@ -19,6 +19,10 @@ from pipeline.config import LogSettings, NatsSettings, S3BlobSettings, StreamSet
 # Short timers so redelivery happens within a test, not after 30 s.
 TEST_STREAMS = StreamSettings(ack_wait_s=2.0, backoff_s=[2.0, 2.0, 2.0], max_deliver=4, duplicate_window_s=120.0)
 
+HANG_GUARD_S = 900.0
+"""The bound on waiting for something a test awaits (a trajectory, a drained consumer): it only turns a
+hang into a failure, so it is far above what four suites on two cores ever need. Never a timing check."""
+
 START_TIMEOUT_S = 180.0
 """A hang guard for server start-up, generous because four suites may be starting stacks on two cores."""
 

@@ -16,10 +16,11 @@ from infra import stack
 from infra.streams import apply
 from pipeline.blobstore import S3BlobStore
 from pipeline.consumer import Consumer
+from pipeline.errors import StackError
 from pipeline.eventlog import EventLog
 from tests.events import trajectory
 from tests.ledger_consumer import ledger_handler
-from tests.servers import stack_settings
+from tests.servers import HANG_GUARD_S, auto_stack_settings, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +38,7 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
-async def _wait_for(predicate, timeout_s: float = 30.0) -> None:
+async def _wait_for(predicate, timeout_s: float = HANG_GUARD_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
@@ -67,13 +68,13 @@ async def test_sigkill_mid_handler_redelivers_and_applies_once(event_log, settin
     assert not await _drained(event_log, "TRAJECTORIES", durable)
     survivor = subprocess.Popen(cmd, env=_env(settings))
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_GUARD_S
         while not await _drained(event_log, "TRAJECTORIES", durable):
             assert time.monotonic() < deadline, "survivor did not drain the consumer"
             await asyncio.sleep(0.1)
     finally:
         survivor.send_signal(signal.SIGTERM)
-        survivor.wait(timeout=20)
+        survivor.wait(timeout=HANG_GUARD_S)
     applied = Counter(_lines(tmp_path / "applied"))
     invocations = Counter(_lines(tmp_path / "invocations"))
     assert set(applied) == {e.event_id for e in events}
@@ -85,9 +86,19 @@ async def test_sigkill_mid_handler_redelivers_and_applies_once(event_log, settin
 
 @pytest.fixture
 def private_stack(tmp_path):
-    """A stack of our own: this test restarts its nats-server."""
-    settings = stack_settings(tmp_path / "state")
-    stack.up(settings)
+    """A stack of our own: this test restarts its nats-server, on the same port, so that port is fixed
+    (from a range no automatic choice uses); everything else binds a free port as it starts. A fixed
+    port taken by someone else in the meantime is retried with another one."""
+    for attempt in range(5):
+        settings = auto_stack_settings(tmp_path / f"state{attempt}", nats_port=free_port())
+        try:
+            settings = stack.with_endpoints(settings, stack.up(settings))
+            break
+        except StackError as exc:
+            if "already in use" not in str(exc) and "exited during start-up" not in str(exc):
+                raise
+    else:
+        raise AssertionError("no free fixed port for nats-server in 5 attempts")
     try:
         yield settings
     finally:
@@ -139,7 +150,7 @@ async def test_nats_restart_between_publishes_loses_nothing_and_applies_once(pri
         assert not task.done()
     finally:
         stop.set()
-        await asyncio.wait_for(task, timeout=20)
+        await asyncio.wait_for(task, timeout=HANG_GUARD_S)
     applied = Counter(_lines(tmp_path / "applied"))
     assert set(applied) == {e.event_id for e in before + after}
     assert all(count == 1 for count in applied.values())

@@ -16,6 +16,7 @@ from pipeline.replay import replay
 from pipeline.sampling import process_logits
 from schemas import PromptGroup, SamplingParams, Trajectory
 from tests.chain_helpers import publisher
+from tests.servers import HANG_GUARD_S
 from tests.tiny_models import adam_like_step, tiny_moe
 from workers.sampler.engines.reference import ReferenceEngine
 from workers.sampler.island import Island, IslandSection
@@ -75,10 +76,10 @@ async def _trajectories(event_log, settings) -> list[Trajectory]:
     return [r.event async for r in replay(event_log, "TRAJECTORIES", f"rl.{settings.run_id}.traj.>")]
 
 
-async def _until(predicate, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
+async def _until(predicate):
+    deadline = time.monotonic() + HANG_GUARD_S
     while not await predicate():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, "hung"
         await asyncio.sleep(0.1)
 
 
@@ -95,7 +96,7 @@ async def _run_until_trajectories(worker, event_log, settings, count):
         await _until(enough)
     finally:
         stop.set()
-        await asyncio.wait_for(task, 30)
+        await asyncio.wait_for(task, HANG_GUARD_S)
 
 
 def _teacher_forced(engine: ReferenceEngine, t: Trajectory) -> torch.Tensor:
@@ -158,7 +159,7 @@ async def test_a_version_published_mid_generation_shows_as_two_spans(event_log, 
         await _until(one_trajectory)
     finally:
         stop.set()
-        await asyncio.wait_for(task, 30)
+        await asyncio.wait_for(task, HANG_GUARD_S)
     (t,) = await _trajectories(event_log, settings)
     assert [s.version for s in t.version_spans] == [0, 1]
     assert t.version_spans[0].end == t.version_spans[1].start
@@ -194,7 +195,7 @@ async def test_sigkill_mid_group_is_finished_by_another_island(event_log, settin
         await _until(held)
         await asyncio.sleep(1.0)  # well into the generation
         doomed.send_signal(signal.SIGKILL)
-        doomed.wait(timeout=10)
+        doomed.wait(timeout=HANG_GUARD_S)
     finally:
         if doomed.poll() is None:
             doomed.kill()

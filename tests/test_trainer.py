@@ -16,7 +16,7 @@ from pipeline.lease import LeaseHeld
 from pipeline.replay import replay
 from pipeline.version_log import fetch_version
 from schemas import PolicyVersion, TrainerMetrics
-from tests.servers import new_run_id
+from tests.servers import HANG_GUARD_S, new_run_id
 from tests.trainer_data import make_groups, publish_groups, write_initial_model
 from workers.trainer.loop import Trainer
 from workers.trainer.settings import TrainerSection, TrainerSettings
@@ -41,7 +41,7 @@ async def test_updates_publish_versions_with_lineage_and_metrics(event_log, sett
     trainer = Trainer(
         _settings(settings, model_dir, max_versions=3, checkpoint_every=2), event_log, S3BlobStore(settings.blobs)
     )
-    await asyncio.wait_for(trainer.run(asyncio.Event()), 120)
+    await asyncio.wait_for(trainer.run(asyncio.Event()), HANG_GUARD_S)
     assert trainer.published == [0, 1, 2, 3]
     used = []
     blobs = S3BlobStore(settings.blobs)
@@ -135,7 +135,7 @@ async def test_sigkill_and_resume_publishes_bit_identical_versions(event_log, se
     env = _env(settings, runs["killed"], model_dir, 2, versions)
     victim = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_GUARD_S
         while await fetch_version(event_log, runs["killed"], 3) is None:
             assert time.monotonic() < deadline and victim.poll() is None
             await asyncio.sleep(0.02)
