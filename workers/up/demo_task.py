@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.tiny_models import tiny_moe_config
 from workers.up.options import TaskSettings
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -44,24 +45,8 @@ def problem(rng: random.Random, digits: int) -> tuple[str, str]:
 
 
 def model_config(vocab_size: int):
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
+    return tiny_moe_config(
+        vocab_size=vocab_size, max_position_embeddings=64, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD
     )
 
 
