@@ -1,11 +1,12 @@
 """A worker's parts live and die together: a background part that fails stops the worker loudly."""
 
 import asyncio
+import contextlib
 
 import pytest
 
 from pipeline.errors import SprawlError
-from workers.lifecycle import run_beside
+from workers.lifecycle import raise_if_cancelled, run_beside
 
 
 async def _work(stop: asyncio.Event, finished: list[str]) -> None:
@@ -54,3 +55,32 @@ async def test_a_helper_that_ends_because_the_worker_stops_is_no_failure():
     stop.set()
     await run_beside(_work(stop, finished), helper, stop, "the prompt projection")
     assert finished == ["drained"]
+
+
+async def _request_like_nats_py() -> None:
+    """What nats-py's request does when cancelled mid-flight: it answers with a timeout."""
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        raise TimeoutError from None
+
+
+async def test_a_loop_that_retries_timeouts_still_ends_when_cancelled():
+    """Before: a heartbeat loop swallowed the timeout its cancellation became and ran on, so the
+    sampler's shutdown waited for it forever (seen with four suites on two cores)."""
+    rounds = []
+
+    async def heartbeats() -> None:
+        while True:
+            raise_if_cancelled()
+            rounds.append(1)
+            with contextlib.suppress(TimeoutError):  # "retry later"
+                await _request_like_nats_py()
+
+    task = asyncio.create_task(heartbeats())
+    while not rounds:
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(rounds) == 1

@@ -20,6 +20,18 @@ def stop_on_signals(*signals: signal.Signals) -> asyncio.Event:
     return stop
 
 
+def raise_if_cancelled() -> None:
+    """Re-raise a cancellation that a library turned into something else.
+
+    nats-py answers a cancellation that lands inside a request with a timeout; a loop that retries
+    timeouts would swallow it and run forever, and whoever awaits the cancelled task hangs. Loops
+    that catch timeouts call this where they would go round again.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 async def run_connected(settings, worker: str, body: Callable[[EventLog, asyncio.Event], Awaitable[None]]) -> None:
     """Connect to the log as `worker`, run `body(log, stop)` until it returns, close the connection."""
     event_log = await EventLog.connect(settings, worker=worker)

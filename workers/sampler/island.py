@@ -27,6 +27,7 @@ from pipeline.materialize import Materializer
 from pipeline.subjects import policy_filter
 from pipeline.version_log import VersionNotAvailable, chain_head
 from schemas import IslandIdentity, VersionConstraint
+from workers.lifecycle import raise_if_cancelled
 from workers.sampler.engines.base import Capabilities, Engine, EngineError
 from workers.sampler.settings import IslandSection
 
@@ -191,6 +192,7 @@ class Island:
             except (SprawlError, EngineError, nats.errors.Error, OSError) as exc:
                 # the log, the blob store or the engine hiccuped: the next wake-up or poll retries
                 log.warning("following the chain failed; will retry", error=repr(exc))
+                raise_if_cancelled()  # nats-py may have turned our cancellation into that timeout
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self.settings.poll_interval_s)

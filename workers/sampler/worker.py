@@ -22,7 +22,7 @@ from pipeline.eventlog import NO_ANSWER, EventLog
 from pipeline.logs import get_logger
 from pipeline.topology import ConsumerRole, consumer_for
 from schemas import IslandHeartbeat, PromptGroup, Trajectory
-from workers.lifecycle import run_beside, run_connected
+from workers.lifecycle import raise_if_cancelled, run_beside, run_connected
 from workers.sampler.engines.base import GenerateRequest, Sample
 from workers.sampler.island import Island, VersionUnreachable, build_island
 from workers.sampler.settings import IslandSection as IslandSection  # re-exported: it lived here
@@ -154,6 +154,7 @@ class SamplerWorker:
 
     async def _heartbeats(self) -> None:
         while True:
+            raise_if_cancelled()  # a cancellation may have reached us as a swallowed timeout
             beat = self.heartbeat()
             beat = msgspec.structs.replace(beat, queue_pending=await self._queue_pending())
             try:
