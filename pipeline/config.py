@@ -53,6 +53,13 @@ class ConfigError(SprawlError):
     """Settings that cannot be used: a missing file, or values that fail validation."""
 
 
+def registered(value: str, registry: Mapping[str, object], what: str) -> str:
+    """A settings value that must name an entry of an extension registry (engines, sandbox backends)."""
+    if value not in registry:
+        raise ValueError(f"unknown {what} {value!r}: one of {', '.join(sorted(registry))}")
+    return value
+
+
 class Section(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", frozen=True)
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from pipeline.config import Section
+from pipeline.config import Section, registered
 from pipeline.errors import SprawlError
 
 if TYPE_CHECKING:
@@ -93,9 +93,7 @@ class SandboxSettings(Section):
     @field_validator("backend")
     @classmethod
     def _registered_backend(cls, value: str) -> str:
-        if value not in SANDBOX_BACKENDS:
-            raise ValueError(f"unknown sandbox backend {value!r}: one of {', '.join(sorted(SANDBOX_BACKENDS))}")
-        return value
+        return registered(value, SANDBOX_BACKENDS, "sandbox backend")
 
     @field_validator("python")
     @classmethod

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from pipeline.config import MaterializeSettings, Section, SprawlSettings, _check_url
+from pipeline.config import MaterializeSettings, Section, SprawlSettings, _check_url, registered
 from pipeline.topology import token
 from workers.sampler.engines.factory import ENGINES
 
@@ -61,9 +61,7 @@ class IslandSection(Section):
     @field_validator("engine")
     @classmethod
     def _registered_engine(cls, value: str) -> str:
-        if value not in ENGINES:
-            raise ValueError(f"unknown engine {value!r}: one of {', '.join(sorted(ENGINES))}")
-        return value
+        return registered(value, ENGINES, "engine")
 
     @field_validator("engine_url")
     @classmethod
