@@ -158,7 +158,7 @@ class Consumer:
         seq, delivered = meta.sequence.stream, meta.num_delivered
         with structlog.contextvars.bound_contextvars(stream_seq=seq, subject=msg.subject, consumer=self.durable):
             try:
-                event = await self.log.resolve(msg.data)
+                event = await self.log.resolve(msg.data, subject=msg.subject)
             except PoisonEvent as exc:
                 await self._dead_letter(msg, exc.message, exc.error_class, run_id=None)
                 return

@@ -260,8 +260,13 @@ class EventLog:
 
     # ---------------------------------------------------------------- read
 
-    async def resolve(self, data: bytes) -> Event:
+    async def resolve(self, data: bytes, subject: str | None = None) -> Event:
         """Decode a message body, fetching and verifying claim-checked events from the blob store.
+
+        With `subject` (the subject the message arrived on), the event must be one that travels
+        there: its run, kind and qualifiers (group, version, ...) are checked against the subject,
+        so a body claiming another run or group than its subject is refused as poison
+        (`subject_mismatch`) instead of being acted on in the wrong place.
 
         Raises PoisonEvent for anything that can never decode (malformed,
         unknown type, failed validation, a claim whose blob is corrupt or gone).
@@ -275,7 +280,7 @@ class EventLog:
         except EventDecodeError as exc:
             raise PoisonEvent(str(exc), error_class=exc.category) from exc
         if not isinstance(event, ClaimCheck):
-            return event
+            return _on_its_subject(event, subject)
         if self.blobs is None:
             raise LogError(
                 f"received claim-checked event {event.event_id} but this log has no blob store to fetch {event.uri}",
@@ -297,7 +302,24 @@ class EventLog:
                 f"blob holds {type(inner).type_tag()} {inner.event_id}",
                 error_class="claim_check_mismatch",
             )
-        return inner
+        return _on_its_subject(inner, subject)
+
+
+def _on_its_subject(event: Event, subject: str | None) -> Event:
+    """The event, if it belongs on `subject` (or no subject is given); PoisonEvent otherwise."""
+    if subject is None:
+        return event
+    try:
+        expected = subject_for(event)
+    except ValueError as exc:  # an id that cannot be a subject token never travelled on a valid subject
+        raise PoisonEvent(f"{type(event).type_tag()} on {subject}: {exc}", error_class="subject_mismatch") from exc
+    if expected != subject:
+        raise PoisonEvent(
+            f"{type(event).type_tag()} {event.event_id} arrived on {subject} but belongs on {expected} "
+            "(its run, group or version disagree with the subject)",
+            error_class="subject_mismatch",
+        )
+    return event
 
 
 def _with_producer(event: Event, producer: str) -> Event:

@@ -66,7 +66,7 @@ async def _decoded(event_log: EventLog, msg) -> Replayed | None:
     """The message as an event, or None (logged) for one that cannot decode: it was dead-lettered when
     first consumed."""
     try:
-        event = await event_log.resolve(msg.data)
+        event = await event_log.resolve(msg.data, subject=msg.subject)
     except PoisonEvent as exc:
         log.warning("skipped an undecodable event", stream_seq=msg.metadata.sequence.stream, reason=exc.message)
         return None

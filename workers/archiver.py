@@ -143,7 +143,7 @@ class StreamArchiver:
             await msg.ack()
             return
         try:
-            event = await self.log.resolve(msg.data)
+            event = await self.log.resolve(msg.data, subject=msg.subject)
             row, event_type = _row(self.stream, msg, event), type(event).type_tag()
         except PoisonEvent as exc:
             row, event_type = {**_row(self.stream, msg, None), "reason": exc.message}, UNDECODABLE
