@@ -263,6 +263,16 @@ def consumers_of_run(run_id: str) -> tuple[RunConsumer, ...]:
     return tuple(c.for_run(run_id) for c in CONSUMERS)
 
 
+def follower_name(run_id: str, reader: str, stream: Stream) -> str:
+    """`<run>-<reader>-<stream label>`: the durable consumer a long-lived reader (the trainer's feeds,
+    the reward worker's prompt projection) creates and re-creates itself, from the position it keeps.
+
+    Not declared in CONSUMERS: its start position is the reader's own (a checkpoint, a projection's
+    high-water mark), which `sprawl infra apply` cannot know. Named, not ephemeral, so that it survives
+    a nats-server restart and the reader binds the same cursor again instead of losing its feed."""
+    return f"{token(run_id, 'run_id')}-{token(reader, 'reader')}-{stream.label}"
+
+
 def consumer_for(run_id: str, role: ConsumerRole | str, stream: Stream | None = None) -> RunConsumer:
     """The consumer a role binds in a run; `stream` picks one of a per-stream role's consumers."""
     role = ConsumerRole(role)
