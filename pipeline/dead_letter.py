@@ -62,9 +62,7 @@ async def dead_letter(
     Raises what `EventLog.append` raises when it could not store it (`LogUnavailable` and the blob
     store's `BlobStoreUnavailable` are transient: keep the message unacked and try again later).
     """
-    dead = dead_letter_for(
-        msg, stream=stream, consumer=consumer, reason=reason, error_class=error_class, run_id=run_id
-    )
+    dead = dead_letter_for(msg, stream=stream, consumer=consumer, reason=reason, error_class=error_class, run_id=run_id)
     try:
         result = await event_log.append(dead)
     except AppendConflict:
