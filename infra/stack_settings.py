@@ -1,0 +1,63 @@
+"""The local stack's settings: its ports, buckets and start-up limits."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from infra.ports import SEAWEED_SPAN, Port, seaweed_ports
+from pipeline.config import MIB, S3BlobSettings, Section, SprawlSettings
+
+BucketName = Annotated[(str, *S3BlobSettings.model_fields["bucket"].metadata)]
+"""An S3 bucket name, checked as `blobs.bucket` is."""
+
+
+class StackSection(Section):
+    nats_port: Port = 4222
+    """NATS client port (127.0.0.1 only); 0: any free port."""
+    nats_monitor_port: Port = Field(8222, validate_default=True)
+    """NATS HTTP monitoring port (health checks); 0: any free port."""
+    s3_port: Port = Field(8333, validate_default=True)
+    """SeaweedFS S3 port; 0: seaweed_port_base + 8."""
+    seaweed_port_base: int = Field(19330, ge=0, le=65535 - SEAWEED_SPAN, validate_default=True)
+    """SeaweedFS internal ports (master, volume, filer, their gRPC, admin) are base, base+1, ... base+7;
+    the admin gRPC port is admin + 10000 (SeaweedFS's fixed offset). 0: a free block, chosen at start."""
+    buckets: list[BucketName] = Field(["sprawl"], min_length=1)
+    """Buckets created at start (S3 bucket names: 3 to 63 lowercase letters, digits, dots and hyphens)."""
+    start_timeout_s: float = Field(60.0, gt=0)
+    """How long to wait for both servers to become healthy."""
+    seaweed_start_attempts: int = Field(8, ge=1)
+    """With seaweed_port_base 0: blocks tried when a port is taken between choosing it and binding it."""
+    nats_max_payload_bytes: int = Field(8 * MIB, ge=256 * 1024, le=64 * MIB)
+    """Largest message nats-server accepts: at least the default claim-check threshold (256 KiB;
+    larger events are claim-checked) and at most 64 MiB (nats-server's own limit)."""
+
+    @field_validator("nats_monitor_port", "s3_port", "seaweed_port_base")
+    @classmethod
+    def _ports_differ(cls, value: int, info: ValidationInfo) -> int:
+        """A fixed port used twice would fail at start ("address in use"): name the fields that clash."""
+        if not value:
+            return value
+        fixed = {name: info.data.get(name) for name in ("nats_port", "nats_monitor_port", "s3_port")}
+        fixed = {name: port for name, port in fixed.items() if port and name != info.field_name}
+        if info.field_name == "seaweed_port_base":
+            taken = set(seaweed_ports(value).values()) | ({value + 8} if not info.data.get("s3_port") else set())
+            clashes = [f"{name} ({port})" for name, port in fixed.items() if port in taken]
+            if clashes:
+                raise ValueError(f"SeaweedFS's ports from this base take {' and '.join(clashes)}: move one of them")
+            return value
+        clashes = [name for name, port in fixed.items() if port == value]
+        if clashes:
+            raise ValueError(f"the same port as {' and '.join(clashes)}: the stack's fixed ports must differ")
+        return value
+
+
+class StackSettings(SprawlSettings):
+    stack: StackSection = StackSection()
+    """Ports and limits of the local stack."""
+
+
+def s3_settings(settings: SprawlSettings) -> S3BlobSettings:
+    """The S3 credentials SeaweedFS is started with (the defaults when the run's blobs are a folder)."""
+    return settings.blobs if isinstance(settings.blobs, S3BlobSettings) else S3BlobSettings()
