@@ -8,10 +8,20 @@ directory into place: the previous version is untouched until the new one is
 complete. A file lock serializes processes sharing a cache, so two samplers on
 one host neither corrupt it nor download twice.
 
-Failure handling: a blob that fails its sha256 is fetched once more, then the
-edge is abandoned and the plan recomputed (in the end: the keyframe path); a
-missing blob is named by key; a base whose bits differ from what a patch
-expects is refused; a version not yet in the log is waited for, never guessed.
+`materialize_newest(version, above=...)` is what a following island asks for: that
+version if any route to it works, otherwise the newest older version that can be
+built and verified. One bad patch then costs an island its newest versions, not
+its ability to serve.
+
+Failure handling: a blob that fails its sha256 is fetched once more; then that part
+of the route (a patch, a skip patch, a keyframe, or a version whose own files
+disagree) is set aside and the plan recomputed around it (a skip patch, the
+keyframe path, an older keyframe). A set-aside part stays out of every plan for an
+exponential, capped, jittered backoff (`RouteFailures`) and is then tried again, so
+a re-published blob is picked up, and a bad one is never re-downloaded in a hot
+loop however often the island is woken. A missing blob is named by key; a base
+whose bits differ from what a patch expects is refused; a version not yet in the
+log is waited for, never guessed.
 """
 
 from __future__ import annotations
@@ -20,9 +30,14 @@ import asyncio
 import fcntl
 import json
 import os
+import random
 import shutil
 import tempfile
+import threading
+import time
 import uuid
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +66,114 @@ class MaterializeError(SprawlError):
     pass
 
 
+class VersionUnbuildable(MaterializeError):
+    """No route to the wanted version works now (and, for `materialize_newest`, none to any version
+    newer than the one served). Not final: set-aside parts are retried after their backoff."""
+
+    def __init__(self, version: int, view: str, reasons: list[str], retry_in_s: float | None):
+        self.version, self.reasons, self.retry_in_s = version, reasons, retry_in_s
+        detail = "; ".join(dict.fromkeys(reasons)) or "nothing was tried"
+        retry = "" if retry_in_s is None else f" (next retry in {retry_in_s:.1f}s)"
+        super().__init__(
+            f"no usable route to version {version} of view {view!r}: {detail}",
+            hint=f"keep serving the last good version; failed parts are retried with backoff{retry}",
+        )
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """How long a failed route part stays set aside: exponential in its failures, capped, jittered."""
+
+    first_s: float = 2.0
+    max_s: float = 300.0
+    jitter: float = 0.5
+    """Up to this fraction of each delay is taken off at random, so islands do not retry in step."""
+
+    def delay(self, failures: int, rng: random.Random) -> float:
+        ceiling = min(self.max_s, self.first_s * 2.0 ** min(failures - 1, 60))
+        return ceiling * (1.0 - self.jitter * rng.random())
+
+
+PartKey = tuple
+"""A route part: ("patch" | "skip", base, target), ("keyframe", version), or ("version", version)
+(a version whose own files disagree, whatever the route)."""
+
+
+def describe_part(key: PartKey) -> str:
+    return f"{key[0]} v{key[1]}->v{key[2]}" if len(key) == 3 else f"{key[0]} v{key[1]}"
+
+
+@dataclass(frozen=True)
+class RouteFailure:
+    part: str
+    version: int
+    """The version the failed part produces."""
+    blob: str
+    """The blob that failed ("" when the fault is not one blob's)."""
+    reason: str
+    failures: int
+    """Failures in a row of this part (reset when it works)."""
+    delay_s: float
+    retry_at: float
+    """Monotonic time after which plans may use the part again."""
+
+
+class RouteFailures:
+    """The route parts that failed, each kept out of plans until its backoff has passed, and the
+    lifetime counters (total, and per blob) that metrics and tests read. Thread-safe: plans run in a
+    worker thread while the island reads the counters."""
+
+    def __init__(
+        self, backoff: Backoff, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
+    ):
+        self.backoff = backoff
+        self.total = 0
+        self.by_blob: Counter[str] = Counter()
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._open: dict[PartKey, RouteFailure] = {}
+        self._lock = threading.Lock()
+
+    def usable(self, key: PartKey) -> bool:
+        with self._lock:
+            failure = self._open.get(key)
+        return failure is None or self._clock() >= failure.retry_at
+
+    def record(self, key: PartKey, *, blob: str, reason: str) -> RouteFailure:
+        with self._lock:
+            previous = self._open.get(key)
+            failures = 1 if previous is None else previous.failures + 1
+            delay = self.backoff.delay(failures, self._rng)
+            failure = RouteFailure(describe_part(key), key[-1], blob, reason, failures, delay, self._clock() + delay)
+            self._open[key] = failure
+            self.total += 1
+            if blob:
+                self.by_blob[blob] += 1
+        return failure
+
+    def cleared(self, key: PartKey) -> None:
+        with self._lock:
+            self._open.pop(key, None)
+
+    def open(self) -> list[RouteFailure]:
+        """Parts that failed last time they were tried, oldest version first."""
+        with self._lock:
+            return sorted(self._open.values(), key=lambda f: (f.version, f.part))
+
+    def retry_in_s(self, lowest: int = 0, highest: int | None = None) -> float | None:
+        """Seconds until the first set-aside part (producing a version in range) may be tried again."""
+        now = self._clock()
+        waits = [max(0.0, f.retry_at - now) for f in self.open() if _within(f.version, lowest, highest)]
+        return min(waits, default=None)
+
+    def reasons(self, lowest: int = 0, highest: int | None = None) -> list[str]:
+        return [f"{f.part}: {f.reason}" for f in self.open() if _within(f.version, lowest, highest)]
+
+
+def _within(version: int, lowest: int, highest: int | None) -> bool:
+    return version >= lowest and (highest is None or version <= highest)
+
+
 @dataclass(frozen=True)
 class Materialized:
     version: int
@@ -70,15 +193,35 @@ class _Edge:
     blobs: tuple[BlobPointer, ...]
     bytes: int
 
+    @property
+    def key(self) -> PartKey:
+        return (self.kind, self.base, self.target)
+
 
 class _EdgeFailed(Exception):
-    def __init__(self, edge: _Edge | None, start: tuple[str, int] | None, reason: str):
-        self.edge, self.start, self.reason = edge, start, reason
+    """A part of the route failed: an edge, a start (keyframe or cache), or (both None) the target's own
+    files. `blob` names the blob at fault, if one is."""
+
+    def __init__(self, edge: _Edge | None, start: tuple[str, int] | None, reason: str, blob: str = ""):
+        self.edge, self.start, self.reason, self.blob = edge, start, reason, blob
         super().__init__(reason)
 
 
+_Option = tuple[int, "tuple[str, int] | None", "_Edge | None"]
+"""(bytes to download, start, edge): how the planner reaches one version."""
+
+
 class Materializer:
-    def __init__(self, event_log: EventLog, blobs: BlobStore, *, run_id: str, view: str, settings: MaterializeSettings):
+    def __init__(
+        self,
+        event_log: EventLog,
+        blobs: BlobStore,
+        *,
+        run_id: str,
+        view: str,
+        settings: MaterializeSettings,
+        retry: Backoff | None = None,
+    ):
         self.log = event_log
         self.blobs = blobs
         self.run_id = token(run_id, "run_id")
@@ -86,6 +229,9 @@ class Materializer:
         self.settings = settings
         self.root = settings.cache_dir.resolve() / self.run_id / view
         self.root.mkdir(parents=True, exist_ok=True)
+        self.failures = RouteFailures(retry or Backoff())
+        """What failed, kept across calls: a part set aside here is not downloaded again until its
+        backoff has passed, however often the materializer is asked."""
         self._events: dict[int, PolicyVersion] = {}
 
     # ---------------------------------------------------------------- public
@@ -109,10 +255,26 @@ class Materializer:
         return link.resolve() if link.exists() else None
 
     async def materialize(self, version: int) -> Materialized:
-        target = await self._event(version)
-        self._view_of(target)
+        """Exactly `version`, or VersionUnbuildable naming why no route to it works now."""
+        return await self._materialize(version, newest=False, above=None)
+
+    async def materialize_newest(self, version: int, *, above: int | None = None) -> Materialized:
+        """`version` if a route to it works; otherwise the newest older version, newer than `above` (the
+        one already served), that can be built and verified. VersionUnbuildable when there is none."""
+        return await self._materialize(version, newest=True, above=above)
+
+    async def _materialize(self, version: int, *, newest: bool, above: int | None) -> Materialized:
+        self._view_of(await self._event(version))
         lowest = await self._gather_events(version)
-        return await asyncio.to_thread(self._materialize_locked, version, lowest)
+        while True:
+            try:
+                return await asyncio.to_thread(self._materialize_locked, version, lowest, newest, above)
+            except VersionUnbuildable:
+                # Nothing from the nearest keyframe up can be built (its own blob may be the bad one): an
+                # older keyframe still reaches the versions before it.
+                if not newest or lowest == 0 or (above is not None and lowest <= above):
+                    raise
+                lowest = await self._gather_events(lowest - 1)
 
     # ---------------------------------------------------------------- events
 
@@ -150,30 +312,38 @@ class Materializer:
 
     # ---------------------------------------------------------------- planning
 
-    def _plan(self, lowest: int, version: int, failed: set, bad_starts: set) -> tuple[tuple[str, int], list[_Edge]]:
+    def _reachable(
+        self, lowest: int, version: int, tried: set[PartKey], bad_starts: set[tuple[str, int]]
+    ) -> dict[int, _Option]:
+        """The cheapest known way to each version in [lowest, version] that no failure rules out."""
+
+        def usable(key: PartKey) -> bool:
+            return key not in tried and self.failures.usable(key)
+
         cached = set(self.cached_versions())
-        best: dict[int, tuple[int, tuple[str, int] | None, _Edge | None]] = {}
+        best: dict[int, _Option] = {}
         for v in range(lowest, version + 1):
+            if not usable(("version", v)):
+                continue
             entry = self._view_of(self._events[v])
-            options: list[tuple[int, tuple[str, int] | None, _Edge | None]] = []
+            options: list[_Option] = []
             if v in cached and ("cache", v) not in bad_starts:
                 options.append((0, ("cache", v), None))
-            if entry.kind == "keyframe" and ("keyframe", v) not in bad_starts:
+            if entry.kind == "keyframe" and usable(("keyframe", v)):
                 options.append((entry.bytes, ("keyframe", v), None))
             edges = []
             if entry.kind == "patch" and entry.base_version is not None:
                 edges.append(_Edge("patch", entry.base_version, v, tuple(entry.blobs), entry.bytes))
             edges += [_Edge("skip", s.base_version, v, tuple(s.blobs), s.bytes) for s in entry.skip_patches]
             for edge in edges:
-                if edge.base in best and edge not in failed:
+                if edge.base in best and usable(edge.key):
                     options.append((best[edge.base][0] + edge.bytes, None, edge))
             if options:
                 best[v] = min(options, key=lambda o: o[0])
-        if version not in best:
-            raise MaterializeError(
-                f"no usable route to version {version} of view {self.view!r}",
-                hint="every route failed for the reasons given; keep serving the last good version",
-            )
+        return best
+
+    @staticmethod
+    def _route(best: dict[int, _Option], version: int) -> tuple[tuple[str, int], list[_Edge]]:
         edges: list[_Edge] = []
         v = version
         while best[v][2] is not None:
@@ -187,41 +357,70 @@ class Materializer:
 
     # ---------------------------------------------------------------- execution (thread)
 
-    def _materialize_locked(self, version: int, lowest: int) -> Materialized:
+    def _materialize_locked(self, version: int, lowest: int, newest: bool, above: int | None) -> Materialized:
         with open(self.root / ".lock", "a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            done = self.path_of(version)
-            if (done / MANIFEST_FILE).exists():
-                manifest = json.loads((done / MANIFEST_FILE).read_text())
-                self._point_current(done)
-                return Materialized(version, self.view, done, manifest["root_hash"], 0, f"cache:v{version}")
-            failed: set[_Edge] = set()
+            tried: set[PartKey] = set()  # failed in this call: not tried again in it, whatever its backoff
             bad_starts: set[tuple[str, int]] = set()
             reasons: list[str] = []
             while True:
+                best = self._reachable(lowest, version, tried, bad_starts)
+                target = version if version in best else None
+                if target is None and newest:
+                    target = max((v for v in best if above is None or v > above), default=None)
+                if target is None:
+                    raise VersionUnbuildable(
+                        version,
+                        self.view,
+                        reasons + self.failures.reasons(lowest, version),
+                        self.failures.retry_in_s(lowest, version),
+                    )
+                start, edges = self._route(best, target)
+                if start == ("cache", target):
+                    return self._cached(target)
                 try:
-                    start, edges = self._plan(lowest, version, failed, bad_starts)
-                except MaterializeError as exc:
-                    detail = "; ".join(reasons) if reasons else "nothing was tried"
-                    raise MaterializeError(f"{exc.message}: {detail}", hint=exc.hint) from None
-                try:
-                    result = self._execute(version, start, edges)
+                    result = self._execute(target, start, edges)
                 except _EdgeFailed as exc:
-                    if exc.edge is None and exc.start is None:
-                        # Nothing to route around: the target version's own files are inconsistent.
-                        raise MaterializeError(
-                            exc.reason, hint="this version's blobs do not fit together; do not serve it"
-                        ) from exc
                     reasons.append(exc.reason)
-                    log.warning("materialize route failed, replanning", version=version, reason=exc.reason)
-                    if exc.edge is not None:
-                        failed.add(exc.edge)
-                    if exc.start is not None:
-                        bad_starts.add(exc.start)
+                    self._set_aside(target, exc, tried, bad_starts)
                     continue
+                for part in [start, *(edge.key for edge in edges), ("version", target)]:
+                    self.failures.cleared(part)
                 self._point_current(result.path)
-                self._collect_garbage(keep_also=version)
+                self._collect_garbage(keep_also=target)
                 return result
+
+    def _cached(self, version: int) -> Materialized:
+        done = self.path_of(version)
+        manifest = json.loads((done / MANIFEST_FILE).read_text())
+        self._point_current(done)
+        return Materialized(version, self.view, done, manifest["root_hash"], 0, f"cache:v{version}")
+
+    def _set_aside(self, target: int, exc: _EdgeFailed, tried: set[PartKey], bad_starts: set) -> None:
+        """Keep the failed part out of this call's plans and, for remote parts, out of later calls'
+        until its backoff has passed (a bad local cache entry is checked afresh next time)."""
+        parts: list[PartKey] = []
+        if exc.edge is not None:
+            parts.append(exc.edge.key)
+        if exc.start is not None:
+            if exc.start[0] == "cache":
+                bad_starts.add(exc.start)
+            else:
+                parts.append(exc.start)
+        if exc.edge is None and exc.start is None:
+            parts.append(("version", target))
+        for part in parts:
+            tried.add(part)
+            failure = self.failures.record(part, blob=exc.blob, reason=exc.reason)
+            log.warning(
+                "route part failed; set aside and retried after a backoff",
+                version=target,
+                part=failure.part,
+                blob=exc.blob,
+                reason=exc.reason,
+                failures=failure.failures,
+                retry_in_s=round(failure.delay_s, 3),
+            )
 
     def _execute(self, version: int, start: tuple[str, int], edges: list[_Edge]) -> Materialized:
         kind, start_version = start
@@ -266,7 +465,9 @@ class Materializer:
                         edge, blob, tensors, downloads / f"{edge.target}-{shard}", verify_base=not known_good
                     )
                     known_good = True
-                self._verify_shard(tensors, expected, version, weight_map, shard)
+                # Bits that disagree with the version are blamed on the last thing that produced them.
+                blame = (edges[-1], None) if edges else (None, start)
+                self._verify_shard(tensors, expected, version, weight_map, shard, blame)
                 from safetensors.torch import save_file
 
                 save_file(tensors, str(staging / shard), metadata={"format": "pt"})
@@ -308,17 +509,20 @@ class Materializer:
         ]
 
     def _download(self, blob: BlobPointer, path: Path, edge: _Edge | None, start: tuple[str, int] | None) -> int:
-        """Fetch and verify one blob; a checksum failure is retried once, then the route is abandoned."""
+        """Fetch and verify one blob; a checksum failure is retried once (a transfer can go wrong), then
+        the part is given up (and set aside with backoff by the caller)."""
         for attempt in (1, 2):
             try:
                 ref = self.blobs.get_to_file(blob.uri, path, expected=blob.sha256)
                 return ref.bytes
             except BlobIntegrityError as exc:
                 if attempt == 2:
-                    raise _EdgeFailed(edge, start, f"{blob.uri} is corrupt after a refetch: {exc.message}") from exc
+                    raise _EdgeFailed(
+                        edge, start, f"{blob.uri} is corrupt after a refetch: {exc.message}", blob.uri
+                    ) from exc
                 log.warning("blob failed verification, refetching once", uri=blob.uri)
             except BlobNotFound as exc:
-                raise _EdgeFailed(edge, start, f"missing blob {blob.uri}") from exc
+                raise _EdgeFailed(edge, start, f"missing blob {blob.uri}", blob.uri) from exc
         raise AssertionError("unreachable")
 
     def _apply_patch(
@@ -332,7 +536,10 @@ class Materializer:
             unknown = set(header.tensor_names()) - set(tensors)
             if unknown:
                 raise _EdgeFailed(
-                    edge, None, f"patch v{edge.base}->v{edge.target} names unknown tensors {sorted(unknown)[:3]}"
+                    edge,
+                    None,
+                    f"patch v{edge.base}->v{edge.target} names unknown tensors {sorted(unknown)[:3]}",
+                    blob.uri,
                 )
             # to_bits gives views of the loaded tensors, so the in-place apply updates them.
             bits = {name: to_bits(tensor) for name, tensor in tensors.items()}
@@ -344,12 +551,13 @@ class Materializer:
                     edge,
                     ("cache", edge.base) if edge.base in self.cached_versions() else None,
                     f"refused: base of v{edge.base}->v{edge.target} does not match ({exc.message})",
+                    blob.uri,
                 ) from exc
             raise _EdgeFailed(
-                edge, None, f"patch v{edge.base}->v{edge.target} produced wrong bits ({exc.message})"
+                edge, None, f"patch v{edge.base}->v{edge.target} produced wrong bits ({exc.message})", blob.uri
             ) from exc
         except patch_codec.PatchFormatError as exc:
-            raise _EdgeFailed(edge, None, f"patch {blob.uri} is unreadable: {exc.message}") from exc
+            raise _EdgeFailed(edge, None, f"patch {blob.uri} is unreadable: {exc.message}", blob.uri) from exc
         return size
 
     def _check_start(self, tensors: dict[str, torch.Tensor], version: int, start: tuple[str, int]) -> None:
@@ -365,6 +573,7 @@ class Materializer:
         version: int,
         weight_map: dict[str, str],
         shard: str,
+        blame: tuple[_Edge | None, tuple[str, int] | None],
     ) -> None:
         wanted = {n for n, s in weight_map.items() if s == shard}
         if set(tensors) != wanted:
@@ -372,10 +581,11 @@ class Materializer:
         for name, tensor in tensors.items():
             actual = checksum(to_bits(tensor))
             if actual != expected.get(name):
-                raise MaterializeError(
+                # never served: the staging directory is dropped and the route replanned without it
+                raise _EdgeFailed(
+                    *blame,
                     f"v{version} tensor {name} ({dtype_name(tensor.dtype)}) hashes to {actual}, "
                     f"the version says {expected.get(name)}",
-                    hint="the rebuilt bits do not match the signed version; do not serve it",
                 )
 
     # ---------------------------------------------------------------- switch and clean up
