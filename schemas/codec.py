@@ -2,7 +2,8 @@
 
 Decoding distinguishes three refusals, because consumers dead-letter each with
 a different reason: bytes that are not JSON at all, a `type` nobody knows, and
-a known type whose fields fail validation (including a wrong schema_version).
+a known type whose fields fail validation (including a wrong schema_version, a
+missing event_id or produced_at: the decoder never invents them).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Union
 
 import msgspec
 
-from schemas.envelope import Event, split_type
+from schemas.envelope import RFC3339_SYNTAX, Event, split_type
 from schemas.events import CURRENT_EVENTS
 from schemas.upcasters import LEGACY_EVENTS, UPCASTERS
 
@@ -24,6 +25,8 @@ _encoder = msgspec.json.Encoder()
 
 class _TypeProbe(msgspec.Struct, forbid_unknown_fields=False):
     type: str = ""
+    produced_at: object = None
+    """Raw, for the RFC 3339 syntax check that msgspec's lenient datetime parse does not make."""
 
 
 _probe_decoder = msgspec.json.Decoder(_TypeProbe)
@@ -64,6 +67,12 @@ def decode_event(data: bytes) -> Event:
         event = _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise EventDecodeError("invalid", f"{probe.type} failed validation: {exc}", probe.type) from exc
+    if not RFC3339_SYNTAX.fullmatch(probe.produced_at):  # a str: the typed decode above accepted it as a datetime
+        raise EventDecodeError(
+            "invalid",
+            f"{probe.type} failed validation: produced_at {probe.produced_at!r} is not an RFC 3339 date-time",
+            probe.type,
+        )
     return upcast(event)
 
 

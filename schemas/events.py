@@ -9,11 +9,21 @@ with defaults); a breaking change gets a new `.vN` type and an upcaster in
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
-from schemas.envelope import Event
+from schemas.envelope import EVENT_TYPE_PATTERN, Event, NonEmpty, Token, whole_string
+
+Count = Annotated[int, msgspec.Meta(ge=0)]
+"""Bytes, elements, tokens, steps, stream positions: never negative."""
+VersionNumber = Annotated[int, msgspec.Meta(ge=0)]
+"""A policy version; the first keyframe is version 0."""
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+Sha256Hex = Annotated[str, msgspec.Meta(pattern=whole_string("[0-9a-f]{64}"), description="Lowercase hex SHA-256.")]
+Xxh3Hex = Annotated[str, msgspec.Meta(pattern=whole_string("[0-9a-f]{32}"), description="Lowercase hex xxh3-128.")]
+MaskBit = Annotated[int, msgspec.Meta(ge=0, le=1)]
 
 
 class Component(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
@@ -26,9 +36,9 @@ class Component(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 class BlobPointer(Component, kw_only=True):
     """One immutable object in the blob store, with what it must hash to."""
 
-    uri: str
-    sha256: str
-    bytes: int
+    uri: NonEmpty
+    sha256: Sha256Hex
+    bytes: Count
     name: str = ""
     """File name inside a checkpoint directory (keyframes), or the keyframe shard a patch covers."""
 
@@ -36,52 +46,52 @@ class BlobPointer(Component, kw_only=True):
 class TensorDigest(Component, kw_only=True, array_like=True):
     """One served tensor of a version: what its bits must hash to. Encoded as a JSON array (compact)."""
 
-    name: str
-    dtype: str
-    shape: list[int]
-    xxh3: str
+    name: NonEmpty
+    dtype: NonEmpty
+    shape: list[Count]
+    xxh3: Xxh3Hex
     """xxh3-128 of the tensor's raw bytes."""
-    changed: int
+    changed: Count
     """Elements whose bits differ from the base version (all of them for a keyframe)."""
 
 
 class SkipPatch(Component, kw_only=True):
     """A patch that jumps from an older version straight to this one (for laggards)."""
 
-    base_version: int
+    base_version: VersionNumber
     blobs: list[BlobPointer]
-    bytes: int
-    changed_elements: int
+    bytes: Count
+    changed_elements: Count
 
 
 class ViewVersion(Component, kw_only=True):
     """One served view (bf16, fp8_e4m3, ...) of a policy version, as stored in S3."""
 
-    view: str
+    view: NonEmpty
     """View name from the view registry, e.g. `bf16` or `fp8_e4m3`."""
     kind: Literal["keyframe", "patch"]
-    base_version: int | None
+    base_version: VersionNumber | None
     """For a patch: the version it applies to. None for a keyframe."""
     blobs: list[BlobPointer]
     """Keyframe: shards, index, config and extra files. Patch: one patch per keyframe shard."""
     tensors: list[TensorDigest]
-    root_hash: str
+    root_hash: Xxh3Hex
     """xxh3-128 over (name, dtype, shape, xxh3) of every tensor: one value that names these exact bits."""
-    bytes: int
+    bytes: Count
     """Total bytes a sampler downloads to apply this entry."""
-    changed_elements: int
-    total_elements: int
+    changed_elements: Count
+    total_elements: Count
     skip_patches: list[SkipPatch] = []
 
 
 class PolicyVersion(Event, kw_only=True, tag="policy_version.v1"):
     """The trainer appended version N of the policy. Create-only, fenced."""
 
-    version: int
-    parent_version: int | None
-    trainer_step: int
+    version: VersionNumber
+    parent_version: VersionNumber | None
+    trainer_step: Count
     views: list[ViewVersion]
-    consumed_trajectories: int = 0
+    consumed_trajectories: Count = 0
     """How many trajectories trained into this version."""
     lineage_uri: str | None = None
     """S3 URI of the list of trajectory ids consumed (kept out of the event: it can be large)."""
@@ -96,11 +106,13 @@ class PolicyVersion(Event, kw_only=True, tag="policy_version.v1"):
 
 
 class SamplingParams(Component, kw_only=True):
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 256
-    logprobs_top_k: int = 0
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    """0 is greedy."""
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    """-1 or 0: no top-k truncation."""
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
+    logprobs_top_k: Count = 0
     """How many top (id, logprob) pairs per generated token the sampler returns (score centering)."""
     seed: int | None = None
 
@@ -108,20 +120,20 @@ class SamplingParams(Component, kw_only=True):
 class VersionConstraint(Component, kw_only=True):
     """Which policy versions a request accepts. All None = any version."""
 
-    min_version: int | None = None
-    exact_version: int | None = None
-    max_staleness: int | None = None
+    min_version: VersionNumber | None = None
+    exact_version: VersionNumber | None = None
+    max_staleness: Count | None = None
 
 
 class PromptGroup(Event, kw_only=True, tag="prompt_group.v1"):
     """A prompt to be sampled n times (one GRPO group)."""
 
-    group_id: str
-    task: str
+    group_id: Token
+    task: NonEmpty
     """Routes the group's trajectories to a verifier."""
     prompt: str
-    prompt_token_ids: list[int]
-    n_samples: int
+    prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+    n_samples: Annotated[int, msgspec.Meta(ge=1)]
     sampling: SamplingParams = SamplingParams()
     accepts: VersionConstraint = VersionConstraint()
     answer: str | None = None
@@ -138,15 +150,15 @@ class PromptGroup(Event, kw_only=True, tag="prompt_group.v1"):
 class VersionSpan(Component, kw_only=True):
     """Output tokens [start, end) were generated with policy `version`."""
 
-    version: int
-    start: int
-    end: int
+    version: VersionNumber
+    start: Count
+    end: Count
 
 
 class IslandIdentity(Component, kw_only=True):
     """Who generated: enough to group samplers by numerics in audits."""
 
-    island_id: str
+    island_id: Token
     accelerator: str
     """e.g. `cpu`, `H100-80GB`, `MI300X`."""
     view: str
@@ -160,36 +172,73 @@ class IslandIdentity(Component, kw_only=True):
     """The sampler group (e.g. `fp8-h100`): metrics like KL are reported per group."""
 
 
-class Trajectory(Event, kw_only=True, tag="trajectory.v1"):
-    """One sampled completion with everything the trainer needs to correct for being off-policy."""
+PER_OUTPUT_TOKEN = "One entry per output token: as long as output_token_ids"
+# Rules between fields that JSON Schema cannot state: the decoder enforces them (a trajectory that breaks
+# one would crash the trainer's whole batch, so it must be dead-lettered at decode instead), and the
+# exported schema states them in the descriptions.
 
-    trajectory_id: str
-    group_id: str
-    sample_index: int
-    task: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    logprobs: list[float]
+
+class Trajectory(Event, kw_only=True, tag="trajectory.v1"):
+    """One sampled completion with everything the trainer needs to correct for being off-policy.
+
+    Checked by the decoder beyond this schema: logprobs has one entry per output token; raw_logprobs,
+    top_logprob_ids, top_logprobs, top_p_kept_ids and loss_mask are empty (or null) or have one entry per
+    output token; top_logprob_ids and top_logprobs have the same shape.
+    """
+
+    trajectory_id: Token
+    group_id: Token
+    sample_index: Count
+    task: NonEmpty
+    prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+    output_token_ids: list[TokenId]
+    logprobs: Annotated[list[float], msgspec.Meta(description=f"{PER_OUTPUT_TOKEN} (checked by the decoder).")]
     """Sampler logprob of each output token under the processed (temperature, top-p) distribution."""
-    raw_logprobs: list[float] = []
+    raw_logprobs: Annotated[list[float], msgspec.Meta(description=f"Empty, or {PER_OUTPUT_TOKEN.lower()}.")] = []
     """The same tokens under the engine's unprocessed distribution (temperature 1, no truncation)."""
     finish_reason: Literal["stop", "length", "abort"]
     version_spans: list[VersionSpan]
     island: IslandIdentity
     sampling: SamplingParams = SamplingParams()
-    top_logprob_ids: list[list[int]] = []
+    top_logprob_ids: Annotated[
+        list[list[TokenId]], msgspec.Meta(description=f"Empty, or {PER_OUTPUT_TOKEN.lower()}.")
+    ] = []
     """Per output token: ids of the top-k tokens of the sampling distribution."""
-    top_logprobs: list[list[float]] = []
+    top_logprobs: Annotated[
+        list[list[float]],
+        msgspec.Meta(description="Empty, or one row per top_logprob_ids row, of the same length."),
+    ] = []
     """Per output token: their logprobs, unrenormalized."""
-    top_p_kept_ids: list[list[int]] | None = None
+    top_p_kept_ids: Annotated[
+        list[list[TokenId]] | None, msgspec.Meta(description=f"Null, empty, or {PER_OUTPUT_TOKEN.lower()}.")
+    ] = None
     """Per output token: the kept set the token was sampled from (top-p mask replay)."""
-    routed_experts: list[list[list[int]]] | None = None
+    routed_experts: list[list[list[Count]]] | None = None
     """Per token, per MoE layer: the routed expert ids (routing replay)."""
-    loss_mask: list[int] | None = None
+    loss_mask: Annotated[list[MaskBit] | None, msgspec.Meta(description=f"Null, or {PER_OUTPUT_TOKEN.lower()}.")] = None
     """Per output token, 1 if the trainer learns from it (multi-turn: 0 for tool output)."""
     text: str = ""
-    group_size: int = 0
+    group_size: Count = 0
     """n, the samples in this trajectory's prompt group (0: unknown, the trainer's setting applies)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        out = len(self.output_token_ids)
+        per_token: dict[str, int | None] = {
+            "logprobs": len(self.logprobs),
+            "raw_logprobs": len(self.raw_logprobs) or None,
+            "top_logprob_ids": len(self.top_logprob_ids) or None,
+            "top_logprobs": len(self.top_logprobs) or None,
+            "top_p_kept_ids": len(self.top_p_kept_ids) or None if self.top_p_kept_ids is not None else None,
+            "loss_mask": len(self.loss_mask) if self.loss_mask is not None else None,
+        }
+        wrong = {name: n for name, n in per_token.items() if n is not None and n != out}
+        if wrong:
+            raise ValueError(f"trajectory {self.trajectory_id}: {wrong} entries for {out} output tokens")
+        if len(self.top_logprob_ids) != len(self.top_logprobs) or any(
+            len(ids) != len(lps) for ids, lps in zip(self.top_logprob_ids, self.top_logprobs, strict=True)
+        ):
+            raise ValueError(f"trajectory {self.trajectory_id}: top_logprob_ids and top_logprobs differ in shape")
 
     def business_key(self) -> str:
         return f"traj.{self.trajectory_id}"
@@ -199,12 +248,14 @@ class Trajectory(Event, kw_only=True, tag="trajectory.v1"):
 
 
 class Reward(Event, kw_only=True, tag="reward.v1"):
-    trajectory_id: str
-    group_id: str
+    """A verifier's verdict on one trajectory."""
+
+    trajectory_id: Token
+    group_id: Token
     value: float
-    verifier: str
+    verifier: NonEmpty
     verifier_version: str
-    duration_s: float
+    duration_s: Seconds
     components: dict[str, float] = {}
     sandbox_id: str | None = None
     error_class: str | None = None
@@ -229,24 +280,25 @@ class Reward(Event, kw_only=True, tag="reward.v1"):
 class IslandHeartbeat(Event, kw_only=True, tag="island_heartbeat.v2"):
     """An island is alive, at a version, with some load. v2 split v1's free-text `accelerator`."""
 
-    schema_version: int = 2
     island: IslandIdentity
-    current_version: int | None
+    current_version: VersionNumber | None
     state: Literal["starting", "serving", "catching_up", "draining"] = "serving"
-    inflight_requests: int = 0
-    queue_pending: int | None = None
+    inflight_requests: Count = 0
+    queue_pending: Count | None = None
     """Prompt groups waiting in the shared queue (None when not known)."""
-    cached_versions: list[int] = []
+    cached_versions: list[VersionNumber] = []
     """Versions materialized on the island's disk (a laggard catches up from these)."""
-    prompt_groups_done: int = 0
-    tokens_generated: int = 0
-    tokens_per_s: float = 0.0
+    prompt_groups_done: Count = 0
+    tokens_generated: Count = 0
+    tokens_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """Output tokens per second since the previous heartbeat."""
 
 
 class TrainerMetrics(Event, kw_only=True, tag="trainer_metrics.v1"):
-    step: int
-    version: int
+    """What one trainer step measured."""
+
+    step: Count
+    version: VersionNumber
     metrics: dict[str, float]
     per_group: dict[str, dict[str, float]] = {}
     """Metrics per sampler group (island view/accelerator), e.g. KL by precision."""
@@ -255,14 +307,14 @@ class TrainerMetrics(Event, kw_only=True, tag="trainer_metrics.v1"):
 class TrainerCheckpoint(Event, kw_only=True, tag="trainer_checkpoint.v1"):
     """The trainer's state after publishing `version` is durable at `uri` (blob first, event second)."""
 
-    version: int
-    step: int
-    uri: str
-    sha256: str
-    bytes: int
-    trajectory_position: int
+    version: VersionNumber
+    step: Count
+    uri: NonEmpty
+    sha256: Sha256Hex
+    bytes: Count
+    trajectory_position: Count
     """Replay trajectories from this stream sequence to rebuild what was pending."""
-    reward_position: int
+    reward_position: Count
 
     def business_key(self) -> str:
         return f"ckpt.v{self.version}.{self.event_id}"
@@ -271,10 +323,10 @@ class TrainerCheckpoint(Event, kw_only=True, tag="trainer_checkpoint.v1"):
 class GroupDropped(Event, kw_only=True, tag="group_dropped.v1"):
     """A prompt group the trainer gave up on, and why."""
 
-    group_id: str
+    group_id: Token
     reason: str
-    trajectory_ids: list[str]
-    waited_s: float
+    trajectory_ids: list[Token]
+    waited_s: Seconds
 
     def business_key(self) -> str:
         return f"dropped.{self.group_id}"
@@ -283,7 +335,7 @@ class GroupDropped(Event, kw_only=True, tag="group_dropped.v1"):
 class TrainerLease(Event, kw_only=True, tag="trainer_lease.v1"):
     """The trainer holding a run says it is alive; a second trainer refuses to start while it is fresh."""
 
-    holder: str
+    holder: NonEmpty
     expires_at: float
     """Unix time after which another trainer may take over."""
 
@@ -295,13 +347,14 @@ class DeadLetter(Event, kw_only=True, tag="dead_letter.v1"):
     """A message a consumer refused for good, with why, and the original bytes."""
 
     reason: str
-    error_class: str
-    stream: str
-    consumer: str
-    original_subject: str
-    original_seq: int
-    num_delivered: int
+    error_class: NonEmpty
+    stream: NonEmpty
+    consumer: NonEmpty
+    original_subject: NonEmpty
+    original_seq: Count
+    num_delivered: Count
     payload: bytes
+    """The refused bytes, base64 in JSON (the decoder refuses a payload that is not base64)."""
     headers: dict[str, str] = {}
 
     def business_key(self) -> str:
@@ -311,10 +364,10 @@ class DeadLetter(Event, kw_only=True, tag="dead_letter.v1"):
 class ClaimCheck(Event, kw_only=True, tag="claim_check.v1"):
     """Stands in for an event too large for the log: the encoded event lives in S3."""
 
-    event_type: str
-    uri: str
-    sha256: str
-    bytes: int
+    event_type: Annotated[str, msgspec.Meta(pattern=EVENT_TYPE_PATTERN)]
+    uri: NonEmpty
+    sha256: Sha256Hex
+    bytes: Count
 
 
 CURRENT_EVENTS: tuple[type[Event], ...] = (

@@ -104,7 +104,7 @@ def test_trajectory_round_trip_keeps_nested_arrays():
 
 @given(
     value=st.floats(allow_nan=False, allow_infinity=False),
-    text=st.text(max_size=50),
+    text=st.text(min_size=1, max_size=50),
     duration=st.floats(0, 1e6),
 )
 def test_reward_round_trip_property(value, text, duration):
@@ -137,8 +137,8 @@ def test_bad_bytes_are_refused_with_a_category(payload, category):
     assert info.value.category == category
 
 
-def test_wrong_schema_version_is_refused():
-    good = json.loads(
+def _reward_fields() -> dict:
+    return json.loads(
         encode_event(
             Reward(
                 run_id="r",
@@ -151,9 +151,71 @@ def test_wrong_schema_version_is_refused():
             )
         )
     )
+
+
+def test_wrong_schema_version_is_refused():
+    good = _reward_fields()
     good["schema_version"] = 2
-    with pytest.raises(EventDecodeError, match="schema_version 2 does not match"):
+    with pytest.raises(EventDecodeError, match=r"schema_version") as info:
         decode_event(json.dumps(good).encode())
+    assert info.value.category == "invalid"
+
+
+def test_a_producer_cannot_construct_a_wrong_schema_version():
+    with pytest.raises(ValueError, match="schema_version 2 does not match"):
+        Reward(
+            run_id="r",
+            schema_version=2,
+            trajectory_id="t",
+            group_id="g",
+            value=1.0,
+            verifier="v",
+            verifier_version="1",
+            duration_s=0.0,
+        )
+
+
+@pytest.mark.parametrize("field", ["event_id", "produced_at", "schema_version", "run_id"])
+def test_bytes_without_an_envelope_field_are_invalid_not_completed(field):
+    fields = _reward_fields()
+    del fields[field]
+    with pytest.raises(EventDecodeError, match=f"missing required field `{field}`") as info:
+        decode_event(json.dumps(fields).encode())
+    assert info.value.category == "invalid"
+
+
+def test_decoding_the_same_bytes_twice_gives_the_same_event():
+    data = json.dumps(_reward_fields()).encode()
+    first, second = decode_event(data), decode_event(data)
+    assert (first.event_id, first.produced_at) == (second.event_id, second.produced_at)
+    assert first.event_id == json.loads(data)["event_id"]
+
+
+def test_a_python_producer_may_leave_the_envelope_out():
+    one, two = (
+        Reward(run_id="r", trajectory_id="t", group_id="g", value=1.0, verifier="v", verifier_version="1", duration_s=0)
+        for _ in range(2)
+    )
+    assert one.event_id and two.event_id and one.event_id != two.event_id
+    assert one.produced_at.tzinfo is not None and one.schema_version == 1
+    assert decode_event(encode_event(one)) == one
+
+
+@pytest.mark.parametrize(
+    "produced_at",
+    ["2026-01-01 00:00:00Z", "2026-01-01T00:00:00", "2026-01-01", "yesterday", "2026-13-01T00:00:00Z", 1767225600],
+)
+def test_a_produced_at_that_is_not_an_rfc3339_date_time_is_invalid(produced_at):
+    fields = _reward_fields() | {"produced_at": produced_at}
+    with pytest.raises(EventDecodeError) as info:
+        decode_event(json.dumps(fields).encode())
+    assert info.value.category == "invalid"
+
+
+@pytest.mark.parametrize("produced_at", ["2026-01-01T00:00:00Z", "2026-01-01t00:00:00.5z", "2026-01-01T01:00:00+01:00"])
+def test_rfc3339_date_times_are_accepted(produced_at):
+    fields = _reward_fields() | {"produced_at": produced_at}
+    assert decode_event(json.dumps(fields).encode()).produced_at.utcoffset() is not None
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
@@ -170,9 +232,17 @@ def test_non_finite_reward_is_refused_at_the_producer(value):
         )
 
 
-def test_empty_run_id_is_refused():
-    with pytest.raises(msgspec.ValidationError):
-        msgspec.convert({"type": "reward.v1", "run_id": ""}, type=Reward)
+@pytest.mark.parametrize("run_id", ["", "a.b", "a b", "*", "-x", "x\n"])
+def test_a_run_id_that_cannot_be_a_subject_token_is_invalid(run_id):
+    fields = _reward_fields() | {"run_id": run_id}
+    with pytest.raises(EventDecodeError, match="run_id") as info:
+        decode_event(json.dumps(fields).encode())
+    assert info.value.category == "invalid"
+
+
+def test_empty_run_id_is_refused_at_the_producer():
+    with pytest.raises(ValueError, match="run_id must not be empty"):
+        Reward(run_id="", trajectory_id="t", group_id="g", value=1.0, verifier="v", verifier_version="1", duration_s=0)
 
 
 def test_v1_heartbeat_is_read_as_v2():
@@ -191,19 +261,7 @@ def test_v1_heartbeat_is_read_as_v2():
 
 
 def test_unknown_fields_from_newer_producers_are_ignored():
-    data = json.loads(
-        encode_event(
-            Reward(
-                run_id="r",
-                trajectory_id="t",
-                group_id="g",
-                value=1.0,
-                verifier="v",
-                verifier_version="1",
-                duration_s=0.0,
-            )
-        )
-    )
+    data = _reward_fields()
     data["added_later"] = {"x": 1}
     assert isinstance(decode_event(json.dumps(data).encode()), Reward)
 
