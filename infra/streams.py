@@ -4,6 +4,11 @@ What the streams and consumers are is data in `pipeline/topology.py`; this modul
 each declaration into a JetStream API config and creates or updates it. Workers bind to these
 consumers and never create their own: a typo in a worker then fails loudly instead of silently
 reading from a fresh consumer.
+
+Streams that keep one message per subject get it from the server (max one message per subject,
+discard new per subject). Giving an existing stream that limit would make the server delete all but
+the newest message of every subject holding more; `apply` refuses that (`StreamUpgradeRefused`)
+instead of losing history.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from dataclasses import dataclass, field
 from nats.js import api
 from nats.js.errors import NotFoundError
 
-from pipeline.config import StreamSettings
+from pipeline.config import LogSettings, NatsSettings, StreamSettings
+from pipeline.errors import StreamUpgradeRefused
+from pipeline.eventlog import publish_retry_span_s
 from pipeline.topology import STREAMS, Dedup, RunConsumer, Stream, consumers_of_run, retired_consumers
 
 _RETENTION = {"limits": api.RetentionPolicy.LIMITS}
@@ -23,8 +30,23 @@ def replicas(stream: Stream, settings: StreamSettings) -> int:
     return stream.replicas if stream.replicas is not None else settings.replicas
 
 
-def stream_config(stream: Stream, settings: StreamSettings) -> api.StreamConfig:
-    window = settings.policy_duplicate_window_s if stream.dedup == Dedup.POLICY else settings.duplicate_window_s
+def dedup_floor_s(log: LogSettings, nats: NatsSettings) -> float:
+    """The shortest dedup window that still covers one append's retries of one Nats-Msg-Id: every publish
+    attempt and its backoff (`publish_retry_span_s`), plus one reconnect (a connect timeout and the wait
+    before it) while the server restarts under it. A window shorter than that forgets the id while the
+    producer still retries it, and the retry lands as a second event. Retries beyond one append (a worker
+    re-running a failed handler minutes later) are covered where it matters by one subject per logical
+    id, not by the window."""
+    return publish_retry_span_s(log) + nats.connect_timeout_s + nats.reconnect_wait_s
+
+
+def stream_config(stream: Stream, settings: StreamSettings, dedup_floor: float | None = None) -> api.StreamConfig:
+    """`dedup_floor`: `dedup_floor_s` of the run's producers; None: of the default log and NATS settings."""
+    if dedup_floor is None:
+        dedup_floor = dedup_floor_s(LogSettings(), NatsSettings())
+    configured = settings.policy_duplicate_window_s if stream.dedup == Dedup.POLICY else settings.duplicate_window_s
+    window = max(configured, dedup_floor)
+    one_per_subject = stream.one_message_per_subject
     return api.StreamConfig(
         name=stream.name,
         description=stream.description,
@@ -37,6 +59,10 @@ def stream_config(stream: Stream, settings: StreamSettings) -> api.StreamConfig:
         deny_purge=stream.deny_purge,
         allow_direct=True,
         max_msg_size=-1,
+        # One message per subject, and the server refuses the second (instead of dropping the first).
+        max_msgs_per_subject=1 if one_per_subject else -1,
+        discard=api.DiscardPolicy.NEW if one_per_subject else api.DiscardPolicy.OLD,
+        discard_new_per_subject=one_per_subject,
     )
 
 
@@ -92,6 +118,9 @@ _STREAM_FIELDS = [
     "deny_purge",
     "allow_direct",
     "description",
+    "max_msgs_per_subject",
+    "discard",
+    "discard_new_per_subject",
 ]
 _CONSUMER_FIELDS = [
     "ack_wait",
@@ -104,11 +133,23 @@ _CONSUMER_FIELDS = [
 ]
 
 
-async def apply(js, settings: StreamSettings, run_id: str) -> ApplyReport:
-    """Create or update every stream and consumer; re-running with the same inputs changes nothing."""
+async def apply(
+    js,
+    settings: StreamSettings,
+    run_id: str,
+    *,
+    log: LogSettings | None = None,
+    nats: NatsSettings | None = None,
+) -> ApplyReport:
+    """Create or update every stream and consumer; re-running with the same inputs changes nothing.
+
+    `log` and `nats`: the run's producer settings, which size the dedup windows' floor (`dedup_floor_s`);
+    None: the defaults. Raises StreamUpgradeRefused, changing nothing on that stream, where limiting an
+    existing stream to one message per subject would delete messages."""
     report = ApplyReport()
+    floor = dedup_floor_s(log or LogSettings(), nats or NatsSettings())
     for stream in STREAMS:
-        wanted = stream_config(stream, settings)
+        wanted = stream_config(stream, settings, floor)
         try:
             current = (await js.stream_info(stream.name)).config
         except NotFoundError:
@@ -116,6 +157,8 @@ async def apply(js, settings: StreamSettings, run_id: str) -> ApplyReport:
             report.created.append(f"stream {stream.name}")
             continue
         if _differs(wanted, current, _STREAM_FIELDS):
+            if wanted.max_msgs_per_subject == 1 and current.max_msgs_per_subject != 1:
+                await _check_one_message_per_subject(js, stream.name)
             await js.update_stream(wanted)
             report.updated.append(f"stream {stream.name}")
         else:
@@ -125,6 +168,23 @@ async def apply(js, settings: StreamSettings, run_id: str) -> ApplyReport:
     for stream, name in retired_consumers(run_id):
         await _remove_consumer(js, stream, name, report)
     return report
+
+
+async def _check_one_message_per_subject(js, name: str) -> None:
+    """Raise StreamUpgradeRefused unless every subject of stream `name` holds at most one message, on the
+    server's word: the per-subject limit would otherwise delete the older ones."""
+    info = await js.stream_info(name, subjects_filter=">")
+    subjects = info.state.subjects or {}
+    crowded = {subject: count for subject, count in subjects.items() if count > 1}
+    if crowded:
+        examples = ", ".join(f"{s} ({n})" for s, n in sorted(crowded.items())[:3])
+        raise StreamUpgradeRefused(name, f"{len(crowded)} subjects hold more than one message, e.g. {examples}")
+    listed = sum(subjects.values())
+    if listed != info.state.messages:
+        # The server lists a bounded number of subjects per answer: the rest are unknown, so no promise.
+        raise StreamUpgradeRefused(
+            name, f"the server listed {len(subjects)} subjects holding {listed} of its {info.state.messages} messages"
+        )
 
 
 async def apply_consumer(js, consumer: RunConsumer, settings: StreamSettings, report: ApplyReport) -> None:

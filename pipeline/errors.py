@@ -190,3 +190,39 @@ def _describe(exc: BaseException) -> str:
     """`Type: message`, or just `Type` for the many nats-py errors whose message is empty."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+# ------------------------------------------------------------------ log: one message per subject
+
+
+class SubjectTaken(AppendConflict):
+    """The server refused an append because its subject already holds a message, and that message is
+    not ours (another Nats-Msg-Id): the log keeps one event per logical id (a policy version, a
+    trajectory, a reward, a dead letter), and someone else's is already there. Never retried."""
+
+    def __init__(self, subject: str, kind: str, logical_id: str, holder_msg_id: str | None):
+        self.subject = subject
+        self.expected_last_seq = None
+        self.kind = kind
+        self.logical_id = logical_id
+        self.holder_msg_id = holder_msg_id
+        holder = f" (stored under message id {holder_msg_id!r})" if holder_msg_id else ""
+        LogError.__init__(
+            self,
+            f"the log already holds a {kind} for {logical_id}: append to {subject} refused{holder}",
+            hint="a subject keeps one event; this one was produced a second time under another message id "
+            "(a rival writer, or a producer that re-created it with another key): keep the stored one, do not retry",
+        )
+
+
+class StreamUpgradeRefused(LogError):
+    """Applying a stream's declared config to the server would delete history it holds."""
+
+    def __init__(self, stream: str, detail: str):
+        self.stream = stream
+        super().__init__(
+            f"stream {stream} cannot take one message per subject: {detail}; the server would delete "
+            "all but the newest message on each such subject",
+            hint="these are messages of an older subject layout: archive what you need, then start from a fresh "
+            "store (`sprawl stack down`, remove the stack's nats directory) or apply to another server",
+        )
+

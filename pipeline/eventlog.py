@@ -6,6 +6,12 @@ crashes and re-creates the same event) is deduplicated by JetStream; it
 retries timeouts and no-responders with the same id; and it can fence the
 append with an expected last subject sequence, which is how a policy version
 is made create-only.
+
+Beyond the dedup window, streams that keep one message per subject (a version,
+a trajectory, a reward, a dead letter: `Stream.one_message_per_subject`) refuse
+a second event for the same logical id on the server. `append` tells our own
+earlier attempt (the head carries our Nats-Msg-Id: a duplicate) from someone
+else's (`SubjectTaken`).
 """
 
 from __future__ import annotations
@@ -31,10 +37,21 @@ from pipeline.errors import (
     LogUnavailable,
     PoisonEvent,
     StreamNotDeclared,
+    SubjectTaken,
 )
 from pipeline.logs import get_logger
 from pipeline.subjects import subject_for
-from schemas import ClaimCheck, Event, EventDecodeError, decode_event, encode_event
+from schemas import (
+    ClaimCheck,
+    DeadLetter,
+    Event,
+    EventDecodeError,
+    PolicyVersion,
+    Reward,
+    Trajectory,
+    decode_event,
+    encode_event,
+)
 
 log = get_logger(__name__)
 
@@ -42,6 +59,11 @@ log = get_logger(__name__)
 _ERR_WRONG_LAST_SEQUENCE = 10071
 _ERR_WRONG_LAST_MSG_ID = 10070
 _ERR_NO_STREAM_MATCH = 10060
+_ERR_SUBJECT_FULL = 10077
+"""'maximum messages per subject exceeded': a one-message-per-subject stream already holds this subject."""
+
+PUBLISH_BACKOFF_CAP_S = 5.0
+"""The longest wait between two publish attempts of one append (the delay doubles up to this)."""
 
 NO_ANSWER = (
     TimeoutError,  # covers nats.errors.TimeoutError and the bare asyncio timeouts nats-py sometimes raises
@@ -177,10 +199,17 @@ class EventLog:
                 headers["Nats-Expected-Last-Subject-Sequence-Subject"] = fence_subject
         try:
             ack = await self._publish_with_retries(subject, data, headers, expected_last_subject_seq)
+        except _SubjectFull as full:
+            # The subject holds a message and the dedup window did not call ours a duplicate: either our
+            # own earlier attempt landed longer ago than the window (its ack lost, or the producer
+            # restarted and re-created the event), or someone else's event holds the subject.
+            ack, holder = await self._head_of(subject, headers["Nats-Msg-Id"])
+            if ack is None:
+                raise SubjectTaken(subject, _kind_of(event), _logical_id(event), holder) from full.__cause__
         except AppendConflict:
             # JetStream checks the expected sequence before the dedup window, so our own earlier
             # attempt (landed, ack lost) looks like a conflict. If the head is ours, it is a duplicate.
-            ack = await self._own_head(subject, headers["Nats-Msg-Id"])
+            ack, _ = await self._head_of(subject, headers["Nats-Msg-Id"])
             if ack is None:
                 raise
         if ack.duplicate:
@@ -194,20 +223,22 @@ class EventLog:
             msg_id=headers["Nats-Msg-Id"],
         )
 
-    async def _own_head(self, subject: str, msg_id: str) -> api.PubAck | None:
-        """Our own earlier append at the head of `subject`, or None when the server says the head is not
-        ours (or there is none). A head we could not read raises LogUnavailable: not knowing is not
-        "someone else's", and the same Nats-Msg-Id makes retrying the append safe."""
+    async def _head_of(self, subject: str, msg_id: str) -> tuple[api.PubAck | None, str | None]:
+        """(our own earlier append at the head of `subject` as a duplicate ack, or None when the head is
+        not ours or there is none; the head's Nats-Msg-Id). A head we could not read raises
+        LogUnavailable: not knowing is not "someone else's", and the same Nats-Msg-Id makes retrying
+        the append safe."""
         try:
             stream = await self.js.find_stream_name_by_subject(subject)
             last = await self.js.get_last_msg(stream, subject)
         except nats.js.errors.NotFoundError:
-            return None
+            return None, None
         except NO_ANSWER as exc:
             raise LogUnavailable(f"reading the head of {subject} to tell our own append from a rival's", exc) from exc
-        if (last.headers or {}).get("Nats-Msg-Id") != msg_id:
-            return None
-        return api.PubAck(stream=stream, seq=last.seq, duplicate=True)
+        holder = (last.headers or {}).get("Nats-Msg-Id")
+        if holder != msg_id:
+            return None, holder
+        return api.PubAck(stream=stream, seq=last.seq, duplicate=True), holder
 
     async def _claim_check(self, event: Event, data: bytes) -> bytes:
         """Blob first, event second: the pointer is only published once the blob is durable."""
@@ -240,6 +271,8 @@ class EventLog:
                     raise AppendConflict(subject, expected_seq or 0, exc.description or str(exc)) from exc
                 if exc.err_code == _ERR_NO_STREAM_MATCH:
                     raise StreamNotDeclared(subject) from exc
+                if exc.err_code == _ERR_SUBJECT_FULL:
+                    raise _SubjectFull(subject) from exc  # a verdict, not a hiccup: never retried
                 raise AppendFailed(f"JetStream refused the append to {subject}: {exc}") from exc
             except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError) as exc:
                 # No stream listens (yet): either it is not declared or the server is restarting.
@@ -253,7 +286,7 @@ class EventLog:
                 last_error = exc
             log.warning("append retry", subject=subject, attempt=attempt, error=type(last_error).__name__)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            delay = min(delay * 2, PUBLISH_BACKOFF_CAP_S)
         if isinstance(last_error, nats.errors.NoRespondersError | nats.js.errors.NoStreamResponseError):
             raise StreamNotDeclared(subject) from last_error
         raise AppendUnavailable(subject, self.settings.publish_attempts, last_error) from last_error
@@ -303,6 +336,39 @@ class EventLog:
                 error_class="claim_check_mismatch",
             )
         return _on_its_subject(inner, subject)
+
+
+def publish_retry_span_s(settings: LogSettings) -> float:
+    """The longest one append keeps publishing one Nats-Msg-Id: every attempt waiting out its timeout,
+    and the backoff after each (the schedule of `_publish_with_retries`). A dedup window shorter than
+    this could forget the id while the append still retries it."""
+    span, delay = 0.0, settings.publish_backoff_s
+    for _ in range(settings.publish_attempts):
+        span += settings.publish_timeout_s + delay
+        delay = min(delay * 2, PUBLISH_BACKOFF_CAP_S)
+    return span
+
+
+class _SubjectFull(Exception):
+    """The server's "maximum messages per subject exceeded"; `append` turns it into a duplicate or a
+    SubjectTaken once it has read whose message holds the subject."""
+
+
+def _kind_of(event: Event) -> str:
+    """`trajectory` of `trajectory.v1`: what the log holds, in words."""
+    return type(event).type_tag().rsplit(".v", 1)[0].replace("_", " ")
+
+
+def _logical_id(event: Event) -> str:
+    """What a one-message-per-subject stream keeps one event for, in words."""
+    match event:
+        case PolicyVersion():
+            return f"version {event.version}"
+        case Trajectory() | Reward():
+            return f"trajectory {event.trajectory_id}"
+        case DeadLetter():
+            return f"message {event.original_seq} of {event.stream}"
+    return event.business_key()
 
 
 def _on_its_subject(event: Event, subject: str | None) -> Event:

@@ -7,6 +7,7 @@ events are built from the same grammar in `pipeline/subjects.py`.
 
     POLICY.name                                   -> "POLICY"
     trajectories_filter(run)                      -> "rl.<run>.traj.>"
+    group_trajectories_filter(run, group)         -> "rl.<run>.traj.<group>.*"
     consumer_for(run, ConsumerRole.SAMPLERS)      -> RunConsumer(name="<run>-samplers", stream=PROMPTS, ...)
     consumer_for(run, ConsumerRole.ARCHIVER, TRAJECTORIES).name -> "<run>-archiver-trajectories"
 """
@@ -100,6 +101,11 @@ class Stream:
     """The only choice: WORK_QUEUE or INTEREST retention would delete history, and the log *is* the run."""
     replicas: int | None = None
     """None: `StreamSettings.replicas` (1 locally, 3 on a cluster); a number pins this stream."""
+    one_message_per_subject: bool = False
+    """The server keeps at most one message per subject and refuses the next one (discard new per
+    subject). For streams whose subjects name one logical id each (a version, a trajectory, a reward,
+    a refused message): a second event for the same id is refused at any time, not only within the
+    dedup window, whoever publishes it."""
 
     @property
     def label(self) -> str:
@@ -123,8 +129,8 @@ class Stream:
 
 _POLICY_VERSIONS = SubjectPattern(Kind.POLICY, "*")  # rl.<run>.policy.v<N>
 _PROMPT_GROUPS = SubjectPattern(Kind.PROMPTS, "")  # rl.<run>.prompts
-_TRAJECTORIES = SubjectPattern(Kind.TRAJECTORIES)  # rl.<run>.traj.<group>
-_REWARDS = SubjectPattern(Kind.REWARDS)  # rl.<run>.reward.<group>
+_TRAJECTORIES = SubjectPattern(Kind.TRAJECTORIES)  # rl.<run>.traj.<group>.<trajectory_id>
+_REWARDS = SubjectPattern(Kind.REWARDS)  # rl.<run>.reward.<group>.<trajectory_id>
 
 POLICY = Stream(
     "POLICY",
@@ -133,14 +139,22 @@ POLICY = Stream(
     deny_delete=True,
     deny_purge=True,
     dedup=Dedup.POLICY,
+    one_message_per_subject=True,
 )
 PROMPTS = Stream("PROMPTS", (_PROMPT_GROUPS, SubjectPattern(Kind.PROMPTS)), "prompt groups to sample")
-TRAJECTORIES = Stream("TRAJECTORIES", (_TRAJECTORIES,), "sampled trajectories")
-REWARDS = Stream("REWARDS", (_REWARDS,), "rewards keyed by trajectory id")
+TRAJECTORIES = Stream(
+    "TRAJECTORIES", (_TRAJECTORIES,), "sampled trajectories, one subject per trajectory", one_message_per_subject=True
+)
+REWARDS = Stream("REWARDS", (_REWARDS,), "rewards, one subject per trajectory", one_message_per_subject=True)
 METRICS = Stream(
     "METRICS", (SubjectPattern(Kind.METRICS), SubjectPattern(Kind.HEARTBEATS)), "trainer metrics and island heartbeats"
 )
-DEADLETTER = Stream("DEADLETTER", (SubjectPattern(Kind.DEAD_LETTERS),), "messages consumers refused, with reasons")
+DEADLETTER = Stream(
+    "DEADLETTER",
+    (SubjectPattern(Kind.DEAD_LETTERS),),  # rl.<run>.deadletter.<stream>.<original_seq>
+    "messages consumers refused, with reasons, one subject per refused message",
+    one_message_per_subject=True,
+)
 TRAINER = Stream("TRAINER", (SubjectPattern(Kind.TRAINER),), "trainer checkpoints, leases and dropped groups")
 
 STREAMS: tuple[Stream, ...] = (POLICY, PROMPTS, TRAJECTORIES, REWARDS, METRICS, DEADLETTER, TRAINER)
@@ -171,6 +185,17 @@ def trajectories_filter(run_id: str) -> str:
 
 def rewards_filter(run_id: str) -> str:
     return _REWARDS.for_run(run_id)
+
+
+def group_trajectories_filter(run_id: str, group_id: str) -> str:
+    """The trajectories of one prompt group, one subject each: count its subjects to know how many of the
+    group's trajectories the log holds (`pipeline.log_lookup.count_subjects`)."""
+    return run_subject(token(run_id, "run_id"), Kind.TRAJECTORIES, token(group_id, "group_id"), "*")
+
+
+def group_rewards_filter(run_id: str, group_id: str) -> str:
+    """The rewards of one prompt group, one subject per trajectory."""
+    return run_subject(token(run_id, "run_id"), Kind.REWARDS, token(group_id, "group_id"), "*")
 
 
 # ---------------------------------------------------------------- durable consumers

@@ -20,7 +20,7 @@ async def test_republished_event_is_deduplicated_not_reapplied(event_log, settin
     assert not first.duplicate and second.duplicate
     assert second.seq == first.seq
     info = await event_log.js.stream_info("REWARDS", subjects_filter=f"rl.{settings.run_id}.reward.>")
-    assert info.state.subjects == {f"rl.{settings.run_id}.reward.g0": 1}
+    assert info.state.subjects == {f"rl.{settings.run_id}.reward.g0.traj-1": 1}
 
 
 async def test_recreated_event_with_same_business_key_is_deduplicated(event_log, settings):
