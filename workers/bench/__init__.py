@@ -16,6 +16,7 @@ BENCHES: dict[str, str] = {
     "trainer": "workers.bench.trainer_bench:bench_trainer",
     "sandbox": "workers.bench.sandbox_bench:bench_sandbox",
     "audit": "workers.bench.audit_bench:bench_audit",
+    "faults": "workers.bench.faults_bench:bench_faults",
 }
 """Name -> `module:function` (imported only when that benchmark runs)."""
 
