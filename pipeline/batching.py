@@ -27,6 +27,8 @@ class PendingGroup:
     first_seen: float
     members: dict[str, Member] = field(default_factory=dict)
     size: int = 0
+    deferred_at: tuple[int, int] | None = None
+    """`counts()` when a drop was last deferred because the log held more than the feeds had delivered."""
 
     def complete(self) -> bool:
         done = [m for m in self.members.values() if m.trajectory is not None and m.reward is not None]
@@ -34,6 +36,11 @@ class PendingGroup:
 
     def completed_at_seq(self) -> int:
         return max(max(m.trajectory_seq, m.reward_seq) for m in self.members.values())
+
+    def counts(self) -> tuple[int, int]:
+        """(trajectories, rewards) of this group the feeds have delivered."""
+        trajectories = sum(1 for m in self.members.values() if m.trajectory is not None)
+        return trajectories, sum(1 for m in self.members.values() if m.reward is not None)
 
     def min_seq(self, kind: str) -> int | None:
         seqs = [getattr(m, f"{kind}_seq") for m in self.members.values() if getattr(m, f"{kind}_seq")]
@@ -120,21 +127,33 @@ class BatchAssembler:
             reward_seqs=[m.reward_seq for m in members],
         )
 
+    def overdue(self, now: float) -> list[PendingGroup]:
+        """Incomplete groups older than max_wait_s. Not removed: whether one is dropped is the log's word
+        (`drop`, or `defer` when the log holds more of it than the feeds have delivered)."""
+        return [g for g in self.pending.values() if not g.complete() and now - g.first_seen > self.max_wait_s]
+
+    def defer(self, group_id: str, now: float) -> None:
+        """Wait another max_wait_s for a group the feeds are behind on."""
+        group = self.pending[group_id]
+        group.first_seen, group.deferred_at = now, group.counts()
+
+    def drop(self, group_id: str, in_log: tuple[int, int] | None = None) -> tuple[PendingGroup, str]:
+        """Remove an incomplete group for good (its ids count as used) and say why; `in_log`: how many
+        trajectories and rewards of it the log holds."""
+        group = self.pending.pop(group_id)
+        have_traj, have_reward = group.counts()
+        reason = (
+            f"incomplete after {self.max_wait_s:.0f}s: {have_traj}/{group.size} trajectories, "
+            f"{have_reward}/{group.size} rewards"
+        )
+        if in_log is not None:
+            reason += f"; the log holds {in_log[0]} trajectories and {in_log[1]} rewards of it"
+        self.used.update(group.members)
+        return group, reason
+
     def expire(self, now: float) -> list[tuple[PendingGroup, str]]:
-        """Incomplete groups older than max_wait_s, removed, with the reason they are dropped."""
-        dropped = []
-        for group_id, group in list(self.pending.items()):
-            if not group.complete() and now - group.first_seen > self.max_wait_s:
-                have_traj = sum(1 for m in group.members.values() if m.trajectory is not None)
-                have_reward = sum(1 for m in group.members.values() if m.reward is not None)
-                reason = (
-                    f"incomplete after {self.max_wait_s:.0f}s: {have_traj}/{group.size} trajectories, "
-                    f"{have_reward}/{group.size} rewards"
-                )
-                del self.pending[group_id]
-                self.used.update(group.members)
-                dropped.append((group, reason))
-        return dropped
+        """Drop every overdue group without asking the log (for callers that have none)."""
+        return [self.drop(group.group_id) for group in self.overdue(now)]
 
     def positions(self, next_traj: int, next_reward: int) -> tuple[int, int]:
         """Where a restart must re-read from so that nothing pending is lost."""

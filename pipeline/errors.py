@@ -191,6 +191,7 @@ def _describe(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
+
 # ------------------------------------------------------------------ log: one message per subject
 
 
@@ -226,3 +227,19 @@ class StreamUpgradeRefused(LogError):
             "store (`sprawl stack down`, remove the stack's nats directory) or apply to another server",
         )
 
+
+# ------------------------------------------------------------------ worker lifecycle
+
+
+class WorkerPartFailed(SprawlError):
+    """A part of a worker that must live as long as the worker (a feed, the lease, a projection, a
+    heartbeat loop) failed or ended: the process stops non-zero with this one line, so its supervisor
+    restarts it, instead of living on with a dead part."""
+
+    def __init__(self, part: str, cause: BaseException | None):
+        self.part = part
+        if cause is None:
+            super().__init__(f"{part} ended while the worker was running", hint="see the log lines before it")
+        else:
+            detail, hint = (cause.message, cause.hint) if isinstance(cause, SprawlError) else (_describe(cause), "")
+            super().__init__(f"{part} failed: {detail}", hint=hint or "see the log lines before it")

@@ -5,8 +5,8 @@ import contextlib
 
 import pytest
 
-from pipeline.errors import SprawlError
-from workers.lifecycle import raise_if_cancelled, run_beside
+from pipeline.errors import LogUnavailable, WorkerPartFailed
+from workers.lifecycle import raise_if_cancelled, run_beside, run_guarded
 
 
 async def _work(stop: asyncio.Event, finished: list[str]) -> None:
@@ -21,8 +21,9 @@ async def test_a_failing_helper_stops_the_work_and_raises_its_error():
         await asyncio.sleep(0)
         raise OSError("the heartbeat's socket broke")
 
-    with pytest.raises(OSError, match="socket broke"):
+    with pytest.raises(WorkerPartFailed, match="the heartbeat failed: OSError: the heartbeat's socket broke") as failed:
         await run_beside(_work(stop, finished), asyncio.create_task(heartbeat()), stop, "the heartbeat")
+    assert isinstance(failed.value.__cause__, OSError)
     assert stop.is_set() and finished == ["drained"]
 
 
@@ -32,7 +33,7 @@ async def test_a_helper_that_returns_is_a_failure_too():
     async def projection() -> None:
         return None
 
-    with pytest.raises(SprawlError, match="the prompt projection ended"):
+    with pytest.raises(WorkerPartFailed, match="the prompt projection ended"):
         await run_beside(_work(stop, finished), asyncio.create_task(projection()), stop, "the prompt projection")
     assert finished == ["drained"]
 
@@ -84,3 +85,52 @@ async def test_a_loop_that_retries_timeouts_still_ends_when_cancelled():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert len(rounds) == 1
+
+
+async def test_a_guard_that_fails_cancels_the_work_at_once_and_names_itself():
+    """The trainer's lease and feeds: what the work would do after losing them must not happen."""
+    reached = []
+
+    async def training() -> None:
+        await asyncio.Event().wait()  # an update in progress
+        reached.append("published")
+
+    async def feed() -> None:
+        await asyncio.sleep(0)
+        raise LogUnavailable("following rl.r.traj.>", "connection closed")
+
+    lease = asyncio.create_task(asyncio.Event().wait(), name="the trainer's lease")
+    guards = [lease, asyncio.create_task(feed(), name="the trainer's trajectory feed")]
+    with pytest.raises(
+        WorkerPartFailed, match="the trainer's trajectory feed failed: the log did not answer"
+    ) as failed:
+        await run_guarded(training(), guards)
+    assert isinstance(failed.value.__cause__, LogUnavailable)
+    assert reached == [] and not lease.done()  # the owner cancels the surviving guards
+    lease.cancel()
+
+
+async def test_a_guard_that_returns_is_a_failure_and_the_work_result_passes_through():
+    async def returns() -> None:
+        return None
+
+    with pytest.raises(WorkerPartFailed, match="the reward feed ended while the worker was running"):
+        await run_guarded(asyncio.Event().wait(), [asyncio.create_task(returns(), name="the reward feed")])
+
+    async def work() -> int:
+        return 7
+
+    guard = asyncio.create_task(asyncio.Event().wait(), name="the lease")
+    assert await run_guarded(work(), [guard]) == 7
+    assert not guard.done()
+    guard.cancel()
+
+
+async def test_the_work_s_own_error_propagates_unwrapped():
+    async def work() -> None:
+        raise ValueError("a bug in the update")
+
+    guard = asyncio.create_task(asyncio.Event().wait(), name="the lease")
+    with pytest.raises(ValueError, match="a bug in the update"):
+        await run_guarded(work(), [guard])
+    guard.cancel()

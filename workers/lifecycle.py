@@ -1,14 +1,18 @@
-"""How a worker process lives: connected to the log, stopped by a signal, closed on the way out."""
+"""How a worker process lives: connected to the log, stopped by a signal, closed on the way out, and
+never alive with a dead part: a background part that ends takes the process down with one line."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
 
-from pipeline.errors import SprawlError
+from pipeline.errors import WorkerPartFailed
 from pipeline.eventlog import EventLog
+
+T = TypeVar("T")
 
 
 def stop_on_signals(*signals: signal.Signals) -> asyncio.Event:
@@ -46,8 +50,9 @@ async def run_beside(work: Awaitable[None], helper: asyncio.Task, stop: asyncio.
     """Run `work` (which returns once `stop` is set) beside `helper`, a task meant to live as long as it.
 
     A helper that ends first, before `stop`, has failed: the work is stopped (it finishes what is in
-    hand) and the helper's error is raised, so the process exits non-zero instead of living on with
-    a dead part. A helper that ends because `stop` was set is fine, unless it ended with an error.
+    hand) and WorkerPartFailed naming `what` is raised (its cause: the helper's error), so the process
+    exits non-zero with one line instead of living on with a dead part. A helper that ends because
+    `stop` was set is fine, unless it ended with an error.
     """
     working = asyncio.ensure_future(work)
     try:
@@ -57,12 +62,41 @@ async def run_beside(work: Awaitable[None], helper: asyncio.Task, stop: asyncio.
             stop.set()
             await working
             if not helper.cancelled() and (error := helper.exception()) is not None:
-                raise error
+                raise WorkerPartFailed(what, error) from error
             if not stopping:
-                raise SprawlError(f"{what} ended while the worker was running", hint="see the log lines before it")
+                raise WorkerPartFailed(what, None)
         await working
     finally:
-        if not helper.done():
-            helper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await helper
+        await _cancelled(helper)
+
+
+async def run_guarded(work: Awaitable[T], guards: Iterable[asyncio.Task]) -> T:
+    """Run `work` while every guard lives: background parts (a feed, the lease) named by their task
+    names, none of which may end while the work runs.
+
+    A guard that ends first has failed, and the work is cancelled at once rather than drained: what a
+    worker does after losing its lease or its input must not reach the log. WorkerPartFailed naming
+    the guard is raised (its cause: the guard's error). The guards are left running when the work
+    returns; their owner cancels them.
+    """
+    working = asyncio.ensure_future(work)
+    guards = list(guards)
+    try:
+        await asyncio.wait({working, *guards}, return_when=asyncio.FIRST_COMPLETED)
+        if not working.done():
+            failed = next(g for g in guards if g.done())
+            await _cancelled(working)
+            error = None if failed.cancelled() else failed.exception()
+            raise WorkerPartFailed(failed.get_name(), error) from error
+        return working.result()
+    finally:
+        await _cancelled(working)
+
+
+async def _cancelled(task: asyncio.Future) -> None:
+    """Cancel `task` (if it still runs) and wait for it to end, whatever it ends with."""
+    if task.done():
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

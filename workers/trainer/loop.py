@@ -23,14 +23,25 @@ import torch
 from pipeline.batching import BatchAssembler, GroupBatchItem
 from pipeline.blobstore import BlobStore, open_blob_store
 from pipeline.chain_publish import ChainPublisher
-from pipeline.errors import SprawlError
+from pipeline.errors import TransientError
 from pipeline.eventlog import EventLog
 from pipeline.lease import RunLease
+from pipeline.log_lookup import count_subjects
 from pipeline.logs import get_logger
-from pipeline.replay import tail
-from pipeline.topology import REWARDS, TRAJECTORIES, rewards_filter, token, trajectories_filter
+from pipeline.replay import Follower
+from pipeline.topology import (
+    REWARDS,
+    TRAJECTORIES,
+    Stream,
+    follower_name,
+    group_rewards_filter,
+    group_trajectories_filter,
+    rewards_filter,
+    token,
+    trajectories_filter,
+)
 from schemas import GroupDropped, Reward, TrainerMetrics, Trajectory
-from workers.lifecycle import run_connected
+from workers.lifecycle import run_connected, run_guarded
 from workers.trainer.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
 from workers.trainer.recovery import batch_from_lineage, check_rederived, put_lineage, root_hashes
 from workers.trainer.settings import TrainerSettings
@@ -59,6 +70,8 @@ class Trainer:
         self.next_reward_seq = 1
         self.groups_dropped = 0
         self.published: list[int] = []
+        self.feeds: dict[str, Follower] = {}
+        """The live feeds by stream name (their positions, outages and re-creations)."""
         self.model = None
         self.optimizer = None
         self.publisher: ChainPublisher | None = None
@@ -139,8 +152,12 @@ class Trainer:
         self.step += 1
         return metrics
 
-    async def _feed(self, stream: str, filter_subject: str, start: int, stop: asyncio.Event) -> None:
-        async for item in tail(self.log, stream, filter_subject, start, stop):
+    async def _feed(self, stream: Stream, filter_subject: str, start: int, stop: asyncio.Event) -> None:
+        """Follow `stream` into the assembler until `stop`, through the trainer's own named consumer, so
+        a nats-server restart or outage is waited out instead of ending the feed."""
+        name = follower_name(self.run_id, "trainer", stream)
+        self.feeds[stream.name] = follower = Follower(self.log, stream.name, filter_subject, start, name)
+        async for item in follower.events(stop):
             now = time.monotonic()
             if isinstance(item.event, Trajectory):
                 self.assembler.add_trajectory(item.event, item.stream_seq, now)
@@ -165,80 +182,110 @@ class Trainer:
         self.published.append(version)
 
     async def _drop_expired(self) -> None:
-        for group, reason in self.assembler.expire(time.monotonic()):
+        """Drop the overdue incomplete groups the log says are incomplete too.
+
+        A group the log holds more of than the feeds have delivered is not dropped: the feed is behind
+        (a restart, an outage) and the rest is coming. It is given another wait, and dropped after one
+        in which the feeds delivered nothing more of it (the rest is not coming to us: e.g. a straggler
+        of a group already trained). A count the log does not answer drops nothing."""
+        for group in self.assembler.overdue(time.monotonic()):
+            try:
+                in_log = (
+                    await count_subjects(
+                        self.log, TRAJECTORIES.name, group_trajectories_filter(self.run_id, group.group_id)
+                    ),
+                    await count_subjects(self.log, REWARDS.name, group_rewards_filter(self.run_id, group.group_id)),
+                )
+            except TransientError as exc:
+                log.warning(
+                    "cannot tell whether an overdue group is incomplete; keeping it",
+                    group=group.group_id,
+                    error=str(exc),
+                )
+                return
+            have = group.counts()
+            behind = in_log[0] > have[0] or in_log[1] > have[1]
+            if behind and group.deferred_at != have:
+                log.warning(
+                    "group overdue, but the log holds more of it than the feeds delivered: waiting for them",
+                    group=group.group_id,
+                    delivered=have,
+                    in_log=in_log,
+                )
+                self.assembler.defer(group.group_id, time.monotonic())
+                continue
+            dropped, reason = self.assembler.drop(group.group_id, in_log)
             await self.log.append(
                 GroupDropped(
                     run_id=self.run_id,
-                    group_id=group.group_id,
+                    group_id=dropped.group_id,
                     reason=reason,
-                    trajectory_ids=sorted(group.members),
-                    waited_s=time.monotonic() - group.first_seen,
+                    trajectory_ids=sorted(dropped.members),
+                    waited_s=time.monotonic() - dropped.first_seen,
                 )
             )
             self.groups_dropped += 1
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Train until `stop` (or `max_versions`). The lease and both feeds are guards: if one of them
+        ends, the trainer stops at once with WorkerPartFailed naming it, never alive and idle."""
         self._determinism()
         await self.lease.take()
-        lease = asyncio.create_task(self.lease.keep())
-        feeds: list[asyncio.Task] = []
+        guards = [asyncio.create_task(self.lease.keep(), name="the trainer's lease")]
         feeds_stop = asyncio.Event()
         try:
-            await asyncio.to_thread(self._load_model)
-            assert self.publisher is not None
-            head = await self.publisher.open()
-            await self._restore_latest()
-            if head is None:
-                await self._publish(None)  # version 0: the initial weights
-            else:
-                await self._catch_up(head)
-            feeds = [
+            await run_guarded(self._prepare(), guards)
+            guards += [
                 asyncio.create_task(
-                    self._feed(TRAJECTORIES.name, trajectories_filter(self.run_id), self.next_traj_seq, feeds_stop)
+                    self._feed(TRAJECTORIES, trajectories_filter(self.run_id), self.next_traj_seq, feeds_stop),
+                    name="the trainer's trajectory feed",
                 ),
                 asyncio.create_task(
-                    self._feed(REWARDS.name, rewards_filter(self.run_id), self.next_reward_seq, feeds_stop)
+                    self._feed(REWARDS, rewards_filter(self.run_id), self.next_reward_seq, feeds_stop),
+                    name="the trainer's reward feed",
                 ),
             ]
-            background = [lease, *feeds]
-            while not stop.is_set():
-                if self.cfg.max_versions is not None and self.version >= self.cfg.max_versions:
-                    break
-                _raise_if_failed(background)
-                await self._drop_expired()
-                batch = self.assembler.take_batch()
-                if batch is None:
-                    await asyncio.sleep(0.05)
-                    continue
-                overall, per_group = await asyncio.to_thread(self._update, batch, self.version)
-                overall["groups_dropped_total"] = float(self.groups_dropped)
-                await self._publish(batch)
-                await self.log.append(
-                    TrainerMetrics(
-                        run_id=self.run_id, step=self.step, version=self.version, metrics=overall, per_group=per_group
-                    )
-                )
-                if self.version % self.cfg.checkpoint_every == 0:
-                    await self._checkpoint()
+            await run_guarded(self._train(stop), guards)
         finally:
             feeds_stop.set()  # the feeds end on this even if a cancellation is lost inside a fetch
-            for task in [*feeds, lease]:
+            for task in guards:
                 task.cancel()
-            for task in [*feeds, lease]:
+            for task in guards:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             if self.publisher is not None:
                 self.publisher.close()
 
+    async def _prepare(self) -> None:
+        """The model, the chain's head, the newest checkpoint; version 0 or the re-derived versions."""
+        await asyncio.to_thread(self._load_model)
+        assert self.publisher is not None
+        head = await self.publisher.open()
+        await self._restore_latest()
+        if head is None:
+            await self._publish(None)  # version 0: the initial weights
+        else:
+            await self._catch_up(head)
 
-def _raise_if_failed(tasks: list[asyncio.Task]) -> None:
-    """A lost lease or a dead feed stops the trainer loudly instead of leaving it alive and idle."""
-    for task in tasks:
-        if not task.done():
-            continue
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            raise exc
-        raise SprawlError(f"the trainer's {task.get_name()} task ended while the trainer runs", hint="a bug: report it")
+    async def _train(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if self.cfg.max_versions is not None and self.version >= self.cfg.max_versions:
+                return
+            await self._drop_expired()
+            batch = self.assembler.take_batch()
+            if batch is None:
+                await asyncio.sleep(0.05)
+                continue
+            overall, per_group = await asyncio.to_thread(self._update, batch, self.version)
+            overall["groups_dropped_total"] = float(self.groups_dropped)
+            await self._publish(batch)
+            await self.log.append(
+                TrainerMetrics(
+                    run_id=self.run_id, step=self.step, version=self.version, metrics=overall, per_group=per_group
+                )
+            )
+            if self.version % self.cfg.checkpoint_every == 0:
+                await self._checkpoint()
 
 
 async def run_trainer(settings: TrainerSettings) -> None:

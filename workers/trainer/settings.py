@@ -46,8 +46,10 @@ class TrainerSection(Section):
     """Seed of every RNG (runs are deterministic on CPU)."""
     threads: int = Field(1, ge=1)
     """torch threads; fixed so that results are bitwise reproducible."""
-    lease_ttl_s: float = Field(15.0, gt=0)
-    """A lease not renewed for this long may be taken over."""
+    lease_ttl_s: float = Field(150.0, ge=4)
+    """A lease not renewed for this long may be taken over by another trainer (the same `trainer_id`
+    takes it back at once). Renewed every quarter of it; a trainer that cannot renew stops itself a
+    quarter before expiry, so it rides out a log outage of at least half of it (75 s by default)."""
     loss: LossSection = LossSection()
     """The corrected surrogate."""
 
