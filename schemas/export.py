@@ -22,13 +22,27 @@ LAYOUTS: dict[str, type[msgspec.Struct]] = {
 event types so a breaking change gets a new `.vN` beside the old one."""
 
 
+DIALECT = "https://json-schema.org/draft/2020-12/schema"
+"""msgspec writes Draft 2020-12 (`$defs`, `prefixItems`); saying so lets a generic validator pick the dialect."""
+
+EVENT_NOTE = (
+    "Every constraint the decoder enforces is in this schema, except where a description says 'checked by "
+    "the decoder' (rules between fields) and one rule of JSON itself: write integers without a fraction "
+    "(1, not 1.0); JSON Schema counts 1.0 as an integer, the decoder does not. Unknown fields are ignored."
+)
+"""What a client in another language needs to know beyond the schema (tests/test_schema_contract.py pins it)."""
+
+
 def rendered_schemas() -> dict[str, str]:
     """File name -> file text for every current and legacy event type and every layout."""
-    named = {cls.type_tag(): cls for cls in CURRENT_EVENTS + LEGACY_EVENTS} | LAYOUTS
-    return {
-        f"{name}.json": json.dumps(msgspec.json.schema(cls), indent=2, sort_keys=True) + "\n"
-        for name, cls in named.items()
-    }
+    events = {cls.type_tag(): cls for cls in CURRENT_EVENTS + LEGACY_EVENTS}
+    rendered = {}
+    for name, cls in (events | LAYOUTS).items():
+        schema = {"$schema": DIALECT, **msgspec.json.schema(cls)}
+        if name in events:
+            schema["$comment"] = EVENT_NOTE
+        rendered[f"{name}.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
+    return rendered
 
 
 def write_schemas(directory: Path = JSON_DIR) -> list[Path]:

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from schemas.envelope import Event
-from schemas.events import IslandHeartbeat, IslandIdentity
+from schemas.envelope import Event, Token
+from schemas.events import IslandHeartbeat, IslandIdentity, VersionNumber
 
 
 class IslandHeartbeatV1(Event, kw_only=True, tag="island_heartbeat.v1"):
     """v1 described the island by one free-text field, e.g. `H100-80GB/fp8_e4m3/vllm`."""
 
-    island_id: str
+    island_id: Token
     accelerator: str
-    current_version: int | None
+    current_version: VersionNumber | None
 
 
 def _island_heartbeat_v1_to_v2(old: IslandHeartbeatV1) -> IslandHeartbeat:
