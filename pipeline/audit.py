@@ -27,6 +27,7 @@ from schemas.archive import (
     JSON_TEXT_FIELDS,
     ROW_COLUMNS,
     UNDECODABLE,
+    UNDECODABLE_COLUMNS,
     ArchiveKey,
     parquet_glob,
     run_prefix,
@@ -88,11 +89,11 @@ def open_archive(settings: SprawlSettings, run_id: str | None = None) -> tuple[d
 # ---------------------------------------------------------------- the columns of a type with no file yet
 
 _ROW_SQL_TYPES = {
-    "stream": "VARCHAR",
-    "seq": "BIGINT",
-    "subject": "VARCHAR",
-    "published_at": "TIMESTAMPTZ",
-    "payload": "BLOB",
+    "log_stream": "VARCHAR",
+    "log_seq": "BIGINT",
+    "log_subject": "VARCHAR",
+    "log_published_at": "TIMESTAMPTZ",
+    "log_payload": "BLOB",
 }
 # The archiver's columns on every row (a KeyError here: give a new one its type), then the hive
 # partitions DuckDB reads from the path (`date` as a DATE: DuckDB casts partition values it recognizes).
@@ -111,8 +112,8 @@ def empty_view_sql(event: type[Event] | None) -> str:
         assert isinstance(info, mi.StructType)
         columns |= {f.encode_name: _sql_type(f.type, f.encode_name) for f in info.fields}
     else:
-        columns["reason"] = "VARCHAR"
-    columns |= _ROW_TYPES  # the archiver's columns win over an event field of the same name
+        columns |= dict.fromkeys(UNDECODABLE_COLUMNS, "VARCHAR")
+    columns |= _ROW_TYPES  # no event field shares a name with these (the log_ prefix)
     rendered = ", ".join(f'CAST(NULL AS {sql}) AS "{name}"' for name, sql in columns.items())
     return f"SELECT * FROM (SELECT {rendered}) WHERE false"
 
@@ -122,6 +123,10 @@ def _sql_type(t: mi.Type, name: str = "") -> str:
     if name in JSON_TEXT_FIELDS:
         return "VARCHAR"
     match t:
+        case mi.Metadata(type=inner):  # a constrained type (pattern, bounds): stored as the type itself
+            return _sql_type(inner, name)
+        case mi.LiteralType(values=values) if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            return "BIGINT"
         case mi.UnionType(types=types):
             present = [u for u in types if not isinstance(u, mi.NoneType)]
             return _sql_type(present[0], name) if len(present) == 1 else "VARCHAR"
@@ -176,10 +181,14 @@ AUDITS = {
                max(tokens_generated) AS tokens, round(max(tokens_per_s), 1) AS peak_tokens_per_s,
                max(produced_at) AS last_seen
         FROM islands GROUP BY ALL ORDER BY island""",
+    # What was refused, where and by whom; text someone else wrote goes through `printable` (see
+    # pipeline/sql.py), so a payload full of terminal escapes prints as escapes.
     "dead-letters": """
-        SELECT produced_at, stream, consumer, error_class, original_subject, original_seq, num_delivered,
-               left(reason, 120) AS reason
-        FROM dead_letters ORDER BY produced_at""",
+        SELECT produced_at, stream, original_seq AS seq, consumer, error_class,
+               printable(encode(reason), 120) AS reason, octet_length(payload) AS payload_bytes,
+               printable(payload, 160) AS payload, printable(encode(original_subject), 120) AS subject,
+               num_delivered
+        FROM dead_letters ORDER BY produced_at, stream, seq""",
 }
 
 

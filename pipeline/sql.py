@@ -1,21 +1,24 @@
 """DuckDB over the blob store: the httpfs extension from its PyPI wheel, nothing downloaded at run time.
 
 The audit issue adds views over the Parquet archive; this module owns the
-connection: where the extension lives, and an S3 secret built from the same
-settings every worker uses. It also owns what `sprawl sql` needs around a user's
-query: DuckDB's errors as one-line `QueryError`s, and a bounded check that the
-log is reachable before `--fresh` drains it into the archive.
+connection: where the extension lives, an S3 secret built from the same
+settings every worker uses, and `printable(bytes, limit)`, a SQL function that
+shows bytes someone else wrote (a refused payload) without letting them drive the
+terminal. It also owns what `sprawl sql` needs around a user's query: DuckDB's
+errors as one-line `QueryError`s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import unicodedata
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
 import duckdb
+from duckdb.sqltypes import BIGINT, BLOB, VARCHAR
 
 from pipeline.config import S3BlobSettings, SprawlSettings
 from pipeline.errors import SprawlError
@@ -65,7 +68,45 @@ def open_duckdb(settings: SprawlSettings, database: str = ":memory:") -> duckdb.
             }
         rendered = ", ".join(f"{k} {_literal(v)}" for k, v in options.items())
         con.execute(f"CREATE OR REPLACE SECRET sprawl_s3 ({rendered})")
+    con.create_function("printable", printable, [BLOB, BIGINT], VARCHAR, side_effects=False)
     return con
+
+
+# ------------------------------------------------------------------ bytes on a terminal
+
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+"""Control and format characters (every terminal escape starts with one: ESC, CSI), surrogates (a byte
+that did not decode), private-use and unassigned code points, line and paragraph separators."""
+
+
+def printable(data: bytes | None, limit: int) -> str | None:
+    """`data` as one line of text that is safe to print: UTF-8 where it decodes; every byte that does
+    not, and every character in `_UNSAFE_CATEGORIES`, escaped (`\\xNN`, `\\uNNNN`); the backslash
+    doubled, so an escape is never ambiguous. Cut after `limit` characters (never inside an
+    escape), with `…` saying so. In SQL: `printable(payload, 200)`, `printable(encode(text), 120)`."""
+    if data is None:
+        return None
+    text = bytes(data).decode("utf-8", errors="surrogateescape")
+    pieces: list[str] = []
+    length = 0
+    for char in text:
+        piece = _escaped(char)
+        if length + len(piece) > limit:
+            return "".join(pieces) + "…"
+        pieces.append(piece)
+        length += len(piece)
+    return "".join(pieces)
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    if char == "\\":
+        return "\\\\"
+    if 0xDC80 <= code <= 0xDCFF:  # a byte surrogateescape kept: it did not decode as UTF-8
+        return f"\\x{code - 0xDC00:02X}"
+    if unicodedata.category(char) in _UNSAFE_CATEGORIES:
+        return f"\\x{code:02X}" if code <= 0xFF else f"\\u{code:04X}" if code <= 0xFFFF else f"\\U{code:08X}"
+    return char
 
 
 def _literal(value: str) -> str:
