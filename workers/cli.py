@@ -210,7 +210,7 @@ def cmd_up(options, settings) -> int:
     result = run_up(options, settings)
     if options.json_output:
         print(json.dumps(result.summary))
-    return EXIT_INTERRUPTED if result.interrupted else 0
+    return result.exit_code  # 128 + the signal that stopped it (130 for Ctrl-C, 143 for SIGTERM), else 0
 
 
 def _emit(relation, fmt: str, output: Path | None) -> None:
@@ -469,8 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     except SprawlError as exc:
         print(f"sprawl: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:  # no traceback: one line, and the code a shell gives a Ctrl-C'd process
+        print("sprawl: stopped", file=sys.stderr)
+        return 128 + getattr(exc, "signum", 2)
     finally:
         sys.stdout.flush()
 

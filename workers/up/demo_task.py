@@ -92,15 +92,29 @@ def pass_rate(model, tokenizer, cfg: TaskSettings, n: int = 64, seed: int = 1) -
 DEFAULT_TASK = TaskSettings()
 
 
-def warmed_up_model(state_dir: Path, cfg: TaskSettings = DEFAULT_TASK, progress=None) -> Path:
-    """The warmed-up initial policy as an HF directory (with tokenizer.json), built once and cached."""
-    tokenizer = build_tokenizer()
-    # The cache key: everything that shapes the model (the same as when this was a dataclass's asdict()).
+def model_cache_dir(state_dir: Path, cfg: TaskSettings) -> Path:
+    """Where the warmed-up model for `cfg` is cached: keyed by everything that shapes it (the same key
+    as when this was a dataclass's asdict())."""
     shape = json.dumps({**cfg.model_dump(), "vocab": SPECIALS + ALPHABET, "v": 2})
     key = hashlib.sha256(shape.encode()).hexdigest()[:16]
-    directory = state_dir.resolve() / "models" / f"arith-{key}"
+    return state_dir.resolve() / "models" / f"arith-{key}"
+
+
+def cached_model(state_dir: Path, cfg: TaskSettings) -> Path | None:
+    directory = model_cache_dir(state_dir, cfg)
     if (directory / "config.json").exists() and (directory / "tokenizer.json").exists():
         return directory
+    return None
+
+
+def warmed_up_model(state_dir: Path, cfg: TaskSettings = DEFAULT_TASK, progress=None) -> Path:
+    """The warmed-up initial policy as an HF directory (with tokenizer.json), built once and cached.
+    In this process: `sprawl up` runs it in a child it can stop (`workers/up/warmup.py`)."""
+    cached = cached_model(state_dir, cfg)
+    if cached is not None:
+        return cached
+    tokenizer = build_tokenizer()
+    directory = model_cache_dir(state_dir, cfg)
     from transformers import Qwen3MoeForCausalLM
     from transformers.utils import logging as hf_logging
 

@@ -7,16 +7,17 @@ trainer (so staleness stays small without any lockstep); the run ends when the t
 its last version. Each worker gets its settings as a TOML file derived from the run's `UpSettings`
 (`<state_dir>/runs/<run>/config/<worker>.toml`, owner-only), which it validates at start. Then
 the workers drain, the archive is brought up to date, the HTML report is written and the summary
-printed. Ctrl-C at any point stops every worker (and the stack, if this
-command started it). A second `sprawl up` continues the previous run from the log; `--fresh`
-starts a new one.
+printed. Ctrl-C, SIGTERM or SIGHUP at any phase stops every worker (and the stack, if this
+command started it) within seconds, with exit code 128 + the signal (`workers/up/stopping.py`);
+the warm-up runs in a child process so that it can be stopped too. A second `sprawl up` continues
+the previous run from the log; `--fresh` starts a new one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-import signal
 import socket
 import sys
 import time
@@ -28,6 +29,7 @@ from pipeline.config import SprawlSettings, write_settings_file
 from pipeline.errors import SprawlError
 from pipeline.logs import get_logger
 from workers.up.options import UpOptions, UpSettings, correction_of, island_views, run_settings
+from workers.up.stopping import Stopped, StopSignals, exit_code, signal_name
 
 log = get_logger(__name__)
 
@@ -118,31 +120,28 @@ def worker_plans(settings: UpSettings, options: UpOptions, *, model_dir: Path, m
     return plans
 
 
-def worker_env() -> dict[str, str]:
-    """The workers' environment: ours without `SPRAWL_...` (a worker's settings file is the whole of
-    its configuration), single-threaded, and able to import this checkout."""
+def worker_env(threads: int = 1) -> dict[str, str]:
+    """The workers' environment (the warm-up's too): ours without `SPRAWL_...` (a worker's settings
+    file is the whole of its configuration), on `threads` threads (`trainer.threads`: a small
+    machine's cores are shared by five processes), and able to import this checkout."""
+    from workers.up.warmup import thread_env
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPRAWL_")}
-    env |= {
-        # Every worker is single-threaded: 2 cores are shared by five processes.
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONUNBUFFERED": "1",
-    }
+    env = thread_env(env, threads) | {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     # Workers import the project from where this command runs (an editable install, or a checkout).
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
-def worker_specs(plans: list[WorkerPlan], config_dir: Path) -> list:
+def worker_specs(plans: list[WorkerPlan], config_dir: Path, *, threads: int = 1) -> list:
     """Each plan's settings written to `<config_dir>/<name>.toml` (owner-only: it holds credentials),
     and the command that starts the worker on it."""
     from workers.up.supervisor import WorkerSpec
 
     config_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(config_dir, 0o700)
-    env = worker_env()
+    env = worker_env(threads)
     specs = []
     for plan in plans:
         path = write_settings_file(plan.settings, config_dir / f"{plan.name}.toml")
@@ -159,6 +158,12 @@ class UpResult:
     run_id: str
     summary: dict
     interrupted: bool
+    stopped_by: int | None = None
+    """The signal that stopped the run (its exit code is 128 + it), or None."""
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.stopped_by is None else exit_code(self.stopped_by)
 
 
 class _Output:
@@ -175,17 +180,25 @@ class _Output:
         self.console.print(*args, **kwargs)
 
 
+@dataclass
+class _Progress:
+    """Where the run is, for the "stopped" line and the summary of a run stopped early."""
+
+    phase: str = "starting the stack"
+    started_stack: bool = False
+
+
 def run_up(options: UpOptions, settings: UpSettings) -> UpResult:
     """The whole run. `settings.run_id` is used when it was given (flag, variable or file); else the
-    previous run continues, unless `options.fresh`."""
+    previous run continues, unless `options.fresh`. A stop signal at any phase stops everything that
+    was started (`workers/up/stopping.py`) and returns a result with `stopped_by` set."""
     from infra import stack
     from pipeline.logs import configure_logging
     from pipeline.subjects import token
 
     out = _Output(options.json_output)
-    # A closed terminal (SIGHUP) or a `kill` (SIGTERM) stops the run like Ctrl-C does: cleanly.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_interrupt)
+    signals = StopSignals()
+    progress = _Progress()
     state_dir = settings.state_dir
     explicit = settings.run_id if "run_id" in settings.model_fields_set else None
     run_id, continuing = choose_run_id(state_dir, explicit, options.fresh)
@@ -197,54 +210,79 @@ def run_up(options: UpOptions, settings: UpSettings) -> UpResult:
     configure_logging(run_id, "json", settings.log_level, file=run_dir / "up.log")
 
     started = time.monotonic()
-    was_running = stack.status(settings) is not None
     try:
-        st = stack.up(settings)
-    except KeyboardInterrupt:
-        if not was_running:
-            stack.down(settings)  # Ctrl-C while the servers were starting: stop what had started
-        raise
-    started_stack = not st.already_running
-    out.print(f"stack {'reused' if st.already_running else 'started'}: nats {st.nats_url}, s3 {st.s3_endpoint}")
-    settings = stack.with_endpoints(settings, st)
-    remember_run(state_dir, run_id)
-    interrupted = False
+        with signals.raising(lambda: progress.phase):
+            had_stack = stack.status(settings) is not None or bool(stack.dead_servers(settings))
+            st = stack.up(settings)  # a half-started stack is stopped by `up` itself on the way out
+            progress.started_stack = not had_stack
+            what = "reused" if st.already_running else ("repaired" if had_stack else "started")
+            out.print(f"stack {what}: nats {st.nats_url}, s3 {st.s3_endpoint}")
+            for action in st.actions if had_stack else []:
+                out.print(f"  {action}")
+            settings = stack.with_endpoints(settings, st)
+            remember_run(state_dir, run_id)
+            # Until the event loop watches the signals itself, they still raise here.
+            result = asyncio.run(_run(options, settings, run_dir, continuing, out, started, signals, progress))
+    except Stopped as stopped:
+        name = signal_name(stopped.signum)
+        summary = {"run_id": run_id, "interrupted": True, "stopped_by": name, "phase": stopped.phase}
+        summary["wall_s"] = round(time.monotonic() - started, 1)
+        result = UpResult(run_id, summary, True, stopped.signum)
+    if result.stopped_by is not None:
+        with signals.ignoring():
+            stopped_stack = stack.down(settings) if progress.started_stack else []
+        log.warning("stopped", signal=signal_name(result.stopped_by), phase=progress.phase)
+        out.print(
+            f"stopped by {signal_name(result.stopped_by)} during {progress.phase}: every worker stopped"
+            + (f", the stack stopped ({', '.join(stopped_stack)})" if stopped_stack else "")
+        )
+    return result
+
+
+async def _run(
+    options: UpOptions,
+    settings: UpSettings,
+    run_dir: Path,
+    continuing: bool,
+    out: _Output,
+    t0: float,
+    signals: StopSignals,
+    progress: _Progress,
+) -> UpResult:
+    from pipeline.eventlog import EventLog
+
+    signals.watch()
+    progress.phase = "connecting to the log"
+    event_log = await signals.until_stopped(EventLog.connect(settings, worker="up"), progress.phase)
     try:
-        result = asyncio.run(_run(options, settings, run_dir, continuing, out, started))
-        interrupted = result.interrupted
-        return result
-    except KeyboardInterrupt:
-        interrupted = True
-        raise
+        return await _run_connected(options, settings, run_dir, continuing, out, t0, signals, progress, event_log)
     finally:
-        if interrupted and started_stack:
-            out.print("stopping the stack: " + ", ".join(stack.down(settings)))
+        with contextlib.suppress(Exception):  # a dead server must not hide how the run ended
+            await asyncio.wait_for(event_log.close(), timeout=10)
 
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
-async def _run(options: UpOptions, settings: UpSettings, run_dir: Path, continuing: bool, out: _Output, t0: float):
-    from rich.live import Live
+async def _run_connected(
+    options: UpOptions,
+    settings: UpSettings,
+    run_dir: Path,
+    continuing: bool,
+    out: _Output,
+    t0: float,
+    signals: StopSignals,
+    progress: _Progress,
+    event_log,
+) -> UpResult:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from infra.streams import apply
-    from pipeline.blobstore import open_blob_store
-    from pipeline.eventlog import EventLog
     from pipeline.version_log import chain_head
-    from workers.lifecycle import stop_on_signals
-    from workers.up.demo_task import warmed_up_model
-    from workers.up.live_view import progress_line, render
-    from workers.up.monitor import RunMonitor
-    from workers.up.prompt_driver import PromptDriver, prompts_in_log
-    from workers.up.summary import summarize
-    from workers.up.supervisor import Supervisor
+    from workers.up.warmup import warm_up
 
-    event_log = await EventLog.connect(settings, worker="up")
-    await apply(event_log.js, settings.streams, settings.run_id)
+    progress.phase = "declaring the streams"
+    await signals.until_stopped(apply(event_log.js, settings.streams, settings.run_id), progress.phase)
     cfg = settings.task
 
+    progress.phase = "warm-up"
     with Progress(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
         console=out.console, transient=False, disable=options.json_output and not out.console.is_terminal,
@@ -254,11 +292,14 @@ async def _run(options: UpOptions, settings: UpSettings, run_dir: Path, continui
         def on_step(step: int, total: int, loss: float) -> None:
             bar.update(task, completed=step, info=f"loss {loss:.3f}")
 
-        model_dir = await asyncio.to_thread(warmed_up_model, settings.state_dir, cfg, on_step)
+        threads = settings.trainer.threads  # the workers' budget, not one thread per core
+        warming = warm_up(settings.state_dir, cfg, threads=threads, env=worker_env(threads), on_step=on_step)
+        model_dir = await signals.until_stopped(warming, progress.phase)
         bar.update(task, completed=cfg.warmup_steps)
     out.print(f"base policy: {model_dir}")
 
-    head = await chain_head(event_log, settings.run_id)
+    progress.phase = "reading the run's head"
+    head = await signals.until_stopped(chain_head(event_log, settings.run_id), progress.phase)
     start_version = head.version if head is not None else 0
     target = start_version + options.target_versions
     out.print(
@@ -267,60 +308,88 @@ async def _run(options: UpOptions, settings: UpSettings, run_dir: Path, continui
         + f", training to v{target} ({options.islands} islands: {', '.join(island_views(options, settings))};"
         f" correction {correction_of(settings)})"
     )
+    return await _train(options, settings, run_dir, out, t0, signals, progress, event_log, model_dir, head, target)
 
+
+async def _train(
+    options: UpOptions,
+    settings: UpSettings,
+    run_dir: Path,
+    out: _Output,
+    t0: float,
+    signals: StopSignals,
+    progress: _Progress,
+    event_log,
+    model_dir: Path,
+    head,
+    target: int,
+) -> UpResult:
+    from rich.live import Live
+
+    from pipeline.blobstore import open_blob_store
+    from workers.up.live_view import progress_line, render
+    from workers.up.monitor import RunMonitor
+    from workers.up.prompt_driver import PromptDriver, prompts_in_log
+    from workers.up.summary import summarize
+    from workers.up.supervisor import Supervisor
+
+    start_version = head.version if head is not None else 0
     blobs = open_blob_store(settings.blobs)
     monitor = RunMonitor(event_log, blobs, settings.run_id)
     monitor.start()
-    first_index = await prompts_in_log(event_log, settings.run_id)
-    driver = PromptDriver(event_log, settings.run_id, settings, first_index)
     supervisor = Supervisor(run_dir / "logs")
-    plans = worker_plans(settings, options, model_dir=model_dir, max_version=target)
-    for spec in worker_specs(plans, run_dir / "config"):
-        supervisor.add(spec)
-
-    stop = stop_on_signals(signal.SIGHUP)
-    live_wanted = options.live and out.console.is_terminal
-    # Groups the remaining updates can use: published groups are never wasted beyond the last update.
-    groups_needed = (target - start_version) * settings.trainer.groups_per_batch
-    phase = "starting workers"
-    interrupted = False
-    last_line = 0.0
-    await _wait_caught_up(monitor, start_version if head is not None else None, first_index)
-    stop_after = first_index + groups_needed + settings.prompts.groups_ahead
-    live = Live(console=out.console, refresh_per_second=4, transient=False) if live_wanted else None
+    signals.on_again.append(supervisor.kill_all)  # a second signal: no more draining
+    live = None
+    plans: list[WorkerPlan] = []
     try:
+        progress.phase = "counting the run's prompts"
+        first_index = await signals.until_stopped(prompts_in_log(event_log, settings.run_id), progress.phase)
+        driver = PromptDriver(event_log, settings.run_id, settings, first_index)
+        plans = worker_plans(settings, options, model_dir=model_dir, max_version=target)
+        progress.phase = "starting workers"
+        for spec in worker_specs(plans, run_dir / "config", threads=settings.trainer.threads):
+            supervisor.add(spec)
+
+        live_wanted = options.live and out.console.is_terminal
+        # Groups the remaining updates can use: published groups are never wasted beyond the last update.
+        groups_needed = (target - start_version) * settings.trainer.groups_per_batch
+        last_line = 0.0
+        await signals.until_stopped(
+            _wait_caught_up(monitor, start_version if head is not None else None, first_index), progress.phase
+        )
+        stop_after = first_index + groups_needed + settings.prompts.groups_ahead
+        live = Live(console=out.console, refresh_per_second=4, transient=False) if live_wanted else None
         if live is not None:
             live.start()
         trainer = supervisor.workers["trainer"]
         shown_events = 0
-        while True:
+        while not signals.stopped:
             supervisor.poll()
             state = monitor.state
             if state.head is not None:
-                phase = "training"
-                await driver.top_up(state.trained_groups(), stop_after)
+                progress.phase = "training"
+                await signals.until_stopped(driver.top_up(state.trained_groups(), stop_after), progress.phase)
             if trainer.finished:
                 break
             for worker in supervisor.workers.values():
                 if worker.crash_streak > 5:
                     raise SprawlError(
                         f"{worker.spec.name} keeps crashing ({worker.crash_streak} times in a row, "
-                        f"last exit {worker.last_exit})",
+                        f"last exit {worker.last_exit}: {worker.last_reason or 'no reason printed'})",
                         hint=f"its log is {worker.log_file}",
                     )
-            if stop.is_set():
-                interrupted = True
-                break
             if live is not None:
-                live.update(render(state, supervisor, phase=phase, target=target))
+                live.update(render(state, supervisor, phase=progress.phase, target=target))
             else:
                 for event in supervisor.events[shown_events:]:  # restarts are news: print them at once
                     out.print(f"[{time.time() - state.started_at:6.0f}s] {event}")
                 shown_events = len(supervisor.events)
             if live is None and time.monotonic() - last_line > 10:
                 last_line = time.monotonic()
-                out.print(progress_line(state, phase=phase, target=target))
-            await asyncio.sleep(0.25)
+                out.print(progress_line(state, phase=progress.phase, target=target))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(signals.event.wait(), timeout=0.25)
+        interrupted = signals.stopped
         phase = "interrupted: stopping workers" if interrupted else "finishing: draining workers"
         if live is not None:
             live.update(render(monitor.state, supervisor, phase=phase, target=target))
@@ -331,13 +400,19 @@ async def _run(options: UpOptions, settings: UpSettings, run_dir: Path, continui
         if live is not None:
             live.stop()
         await asyncio.to_thread(supervisor.stop)  # idempotent: nothing is left behind on any exit
+        if signals.stopped:  # the summary of an interrupted run is not worth waiting for: stop reading
+            await monitor.stop()
     report_path = None
     if not interrupted:
+        progress.phase = "archiving and writing the report"
         archiver = next(p.settings for p in plans if p.name == "archiver")
-        report_path = await _archive_and_report(settings, archiver, run_dir, out)
-    await asyncio.sleep(0.5)  # the monitor reads the last rewards and heartbeats
+        try:
+            report_path = await signals.until_stopped(_archive_and_report(settings, archiver, run_dir, out), "report")
+        except Stopped:
+            interrupted = True
+    if not interrupted:
+        await asyncio.sleep(0.5)  # the monitor reads the last rewards and heartbeats
     await monitor.stop()
-    await event_log.close()
     summary, text = summarize(
         monitor.state,
         supervisor,
@@ -347,8 +422,10 @@ async def _run(options: UpOptions, settings: UpSettings, run_dir: Path, continui
         start_version=start_version,
         interrupted=interrupted,
     )
+    if signals.signum is not None:
+        summary["stopped_by"] = signal_name(signals.signum)
     out.print(text)
-    return UpResult(settings.run_id, summary, interrupted)
+    return UpResult(settings.run_id, summary, interrupted, signals.signum)
 
 
 async def _wait_caught_up(monitor, head: int | None, prompts: int, timeout_s: float = 30.0) -> None:

@@ -3,14 +3,16 @@
 Each worker runs in its own session (a terminal's Ctrl-C reaches only the supervisor, which then
 stops the workers in order, SIGTERM first so they drain) and with a parent-death signal (if the
 supervisor itself is SIGKILLed, the kernel kills the workers too). A worker that exits non-zero is
-restarted after an exponential backoff that resets once it has stayed up for a while; one that
-exits 0 has finished its job and is left alone.
+restarted after an exponential backoff that resets once it has stayed up for a while, and its
+restarts and the last line it printed (its one-line error) are shown; one that exits 0 has finished
+its job and is left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -25,7 +27,7 @@ log = get_logger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -57,6 +59,10 @@ class Worker:
 
     stopped: bool = False
     """Stopped by the supervisor (as opposed to finished by itself)."""
+    log_offset: int = 0
+    """Where the current process's output begins in `log_file` (appended to across restarts)."""
+    last_reason: str | None = None
+    """The last line the worker printed before it last exited non-zero: its one-line error."""
 
     @property
     def state(self) -> str:
@@ -99,6 +105,7 @@ class Supervisor:
 
     def _spawn(self, worker: Worker) -> None:
         out = worker.log_file.open("ab")
+        worker.log_offset = out.tell()
         try:
             worker.process = subprocess.Popen(
                 worker.spec.argv,
@@ -107,7 +114,7 @@ class Supervisor:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         finally:
             out.close()
@@ -138,15 +145,19 @@ class Supervisor:
                     else min(worker.backoff_s * 2, self.backoff_max_s)
                 )
                 worker.next_start_at = now + worker.backoff_s
+                worker.last_reason = exit_reason(worker.log_file, worker.log_offset)
                 self.events.append(
-                    f"{worker.spec.name} exited {process.returncode} after {ran:.0f}s; "
-                    f"restart in {worker.backoff_s:.0f}s (see {worker.log_file})"
+                    f"{worker.spec.name} exited {process.returncode} after {ran:.0f}s"
+                    + (f": {worker.last_reason}" if worker.last_reason else "")
+                    + f"; restart {worker.restarts + 1} in {worker.backoff_s:.0f}s (see {worker.log_file})"
                 )
                 log.warning(
                     "worker exited; restarting after backoff",
                     worker=worker.spec.name,
                     exit_code=process.returncode,
+                    reason=worker.last_reason,
                     backoff_s=worker.backoff_s,
+                    restarts=worker.restarts,
                     log_file=str(worker.log_file),
                 )
             if worker.process is None and now >= worker.next_start_at:
@@ -175,8 +186,44 @@ class Supervisor:
             # The worker's own children (e.g. sandbox helpers) share its process group.
             _signal_group(worker.process.pid, signal.SIGKILL)
 
+    def kill_all(self) -> None:
+        """SIGKILL every worker's process group now, and restart none (a second Ctrl-C: no draining).
+        Safe to call while `stop` waits in another thread: it only sends signals."""
+        for worker in self.workers.values():
+            worker.finished = True
+            process = worker.process
+            if process is not None and process.poll() is None:
+                worker.stopped = True
+                _signal_group(process.pid, signal.SIGKILL)
+
     def alive_pids(self) -> list[int]:
         return [pid for w in self.workers.values() for pid in w.pids if _alive(pid)]
+
+
+_REASON_TAIL_BYTES = 16 * 1024
+_REASON_MAX_CHARS = 240
+
+
+def exit_reason(log_file: Path, offset: int) -> str | None:
+    """The one line that says why a worker exited: the last line it printed since `offset` (a worker
+    ends with `sprawl: error: ...`, a traceback with its exception), shortened; a structlog JSON line
+    as its event and error. None when it printed nothing."""
+    try:
+        with log_file.open("rb") as out:
+            out.seek(max(offset, out.seek(0, os.SEEK_END) - _REASON_TAIL_BYTES))
+            tail = out.read().decode(errors="replace")
+    except OSError:
+        return None
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    if not lines:
+        return None
+    line = lines[-1]
+    if line.startswith("{"):
+        with contextlib.suppress(ValueError, AttributeError):
+            record = json.loads(line)
+            line = " ".join(str(record[k]) for k in ("event", "error", "exception") if record.get(k))
+    line = " ".join(line.split())
+    return line if len(line) <= _REASON_MAX_CHARS else line[: _REASON_MAX_CHARS - 1] + "…"
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
