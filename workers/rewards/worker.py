@@ -3,7 +3,15 @@
 It follows the run's prompt groups (a projection of the PROMPTS stream: the reference answers and
 hidden tests live there, not in the trajectories), routes each trajectory by its task to a
 verifier, runs model-written code only inside the sandbox, and publishes the reward with the
-trajectory id as its business key, so a redelivery or a SIGKILL mid-verification never doubles it.
+trajectory id as its business key, so a redelivery or a SIGKILL mid-verification never doubles it:
+the log keeps one reward per trajectory subject, so a trajectory that already has one is acked
+without verifying it again, and a reward another worker stored first (`SubjectTaken`) is done.
+
+The prompt projection follows the log through its own named consumer (`pipeline.replay.Follower`),
+so it waits out a nats-server restart or outage; it is supervised (`run_beside`): if it ends, the
+worker stops. A trajectory whose group the projection has not seen is retried later while the
+projection is behind the log, and dead-lettered (`unknown_group`) once it has read everything the
+log held and the group is not there.
 
 The sandbox is opened only when a routed verifier executes model output (`needs_sandbox`): a
 worker that only checks exact answers runs without bubblewrap, and one that does run code fails at
@@ -14,17 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
+import nats.js.errors
 from pydantic import Field, field_validator
 
 from pipeline.config import SprawlSettings
 from pipeline.consumer import Consumer, Delivery
-from pipeline.errors import PoisonEvent, TransientError
-from pipeline.eventlog import EventLog
+from pipeline.errors import LogUnavailable, PoisonEvent, SubjectTaken, TransientError
+from pipeline.eventlog import NO_ANSWER, EventLog
+from pipeline.log_lookup import count_subjects
 from pipeline.logs import get_logger
-from pipeline.replay import tail
+from pipeline.replay import Follower, decoded
 from pipeline.sandbox import Sandbox, SandboxSettings, SandboxUnavailable, open_sandbox
-from pipeline.topology import PROMPTS, ConsumerRole, consumer_for, prompts_filter
+from pipeline.subjects import reward_subject
+from pipeline.topology import PROMPTS, REWARDS, ConsumerRole, consumer_for, follower_name, prompts_filter
 from schemas import PromptGroup, Reward, Trajectory
 from workers.lifecycle import run_beside, run_connected
 from workers.rewards.verifiers import VERIFIERS, Verifier, verifier
@@ -88,26 +100,68 @@ class RewardWorker:
             )
         self.sandbox = sandbox
         self.groups: dict[str, PromptGroup] = {}
+        self.prompts_read_through = 0
+        """The last PROMPTS sequence the projection has applied (whatever the message held)."""
         self._group_seen = asyncio.Condition()
         self.verified = 0
+        self.already_rewarded = 0
+        # Each worker follows the prompts itself, from the start, so its consumer is its own.
+        reader = f"rewards-{uuid.uuid4().hex[:8]}"
+        self.prompt_feed = Follower(
+            event_log, PROMPTS.name, prompts_filter(settings.run_id), 1, follower_name(settings.run_id, reader, PROMPTS)
+        )
 
     async def _follow_prompts(self, stop: asyncio.Event) -> None:
-        async for item in tail(self.log, PROMPTS.name, prompts_filter(self.settings.run_id), 1, stop):
-            if isinstance(item.event, PromptGroup):
-                async with self._group_seen:
+        async for msg in self.prompt_feed.messages(stop):
+            item = await decoded(self.log, msg)
+            async with self._group_seen:
+                if item is not None and isinstance(item.event, PromptGroup):
                     self.groups[item.event.group_id] = item.event
-                    self._group_seen.notify_all()
+                self.prompts_read_through = msg.metadata.sequence.stream
+                self._group_seen.notify_all()
 
     async def _group_of(self, trajectory: Trajectory) -> PromptGroup:
+        """The trajectory's prompt group. A group the projection has not seen is waited for while the
+        projection is behind the log; once it has read all the log held when asked, a group it still
+        has not seen is not in the log: the trajectory is poison (`unknown_group`)."""
+        if (group := self.groups.get(trajectory.group_id)) is not None:
+            return group
+        head = await self._prompts_head()
         async with self._group_seen:
             try:
                 await asyncio.wait_for(
-                    self._group_seen.wait_for(lambda: trajectory.group_id in self.groups),
+                    self._group_seen.wait_for(
+                        lambda: trajectory.group_id in self.groups or self.prompts_read_through >= head
+                    ),
                     self.settings.prompt_wait_s,
                 )
             except TimeoutError:
-                raise TransientError(f"prompt group {trajectory.group_id} not seen yet") from None  # nak: retry later
-        return self.groups[trajectory.group_id]
+                raise TransientError(  # nak: retry later
+                    f"prompt group {trajectory.group_id} not seen yet: the prompt projection has read through "
+                    f"sequence {self.prompts_read_through}, the log holds prompts up to {head}"
+                ) from None
+        if (group := self.groups.get(trajectory.group_id)) is not None:
+            return group
+        raise PoisonEvent(
+            f"trajectory {trajectory.trajectory_id} names prompt group {trajectory.group_id}, which the log does "
+            f"not hold (its prompts read through sequence {head})",
+            error_class="unknown_group",
+        )
+
+    async def _prompts_head(self) -> int:
+        """The stream sequence of the run's newest prompt message (0: none), on the server's word."""
+        try:
+            last = await self.log.js.get_last_msg(PROMPTS.name, prompts_filter(self.settings.run_id))
+        except nats.js.errors.NotFoundError:
+            return 0
+        except NO_ANSWER as exc:
+            raise LogUnavailable("reading the newest prompt group's position", exc) from exc
+        return last.seq
+
+    async def _rewarded(self, trajectory: Trajectory) -> bool:
+        """Whether the log already holds a reward for this trajectory id (one subject per trajectory)."""
+        subject = reward_subject(trajectory.run_id, trajectory.group_id, trajectory.trajectory_id)
+        return await count_subjects(self.log, REWARDS.name, subject) > 0
 
     async def handle(self, delivery: Delivery) -> None:
         trajectory = delivery.event
@@ -119,25 +173,32 @@ class RewardWorker:
                 f"no verifier for task {trajectory.task!r} (routes: {', '.join(sorted(self.verifiers))})",
                 error_class="no_verifier",
             )
+        if await self._rewarded(trajectory):  # a redelivery after a kill, or a republished trajectory
+            self.already_rewarded += 1
+            return
         group = await self._group_of(trajectory)
         started = time.perf_counter()
         verdict = await verifier.verify(trajectory, group, self.sandbox)
-        await self.log.append(
-            Reward(
-                run_id=trajectory.run_id,
-                trajectory_id=trajectory.trajectory_id,
-                group_id=trajectory.group_id,
-                value=verdict.value,
-                verifier=verifier.name,
-                verifier_version=verifier.version,
-                duration_s=time.perf_counter() - started,
-                components=verdict.components,
-                sandbox_id=verdict.sandbox_id,
-                error_class=verdict.error_class,
-                format_error=verdict.format_error,
-                details=verdict.details,
+        try:
+            await self.log.append(
+                Reward(
+                    run_id=trajectory.run_id,
+                    trajectory_id=trajectory.trajectory_id,
+                    group_id=trajectory.group_id,
+                    value=verdict.value,
+                    verifier=verifier.name,
+                    verifier_version=verifier.version,
+                    duration_s=time.perf_counter() - started,
+                    components=verdict.components,
+                    sandbox_id=verdict.sandbox_id,
+                    error_class=verdict.error_class,
+                    format_error=verdict.format_error,
+                    details=verdict.details,
+                )
             )
-        )
+        except SubjectTaken:  # another worker rewarded it first: one reward per trajectory is what we want
+            self.already_rewarded += 1
+            return
         self.verified += 1
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -156,7 +217,7 @@ class RewardWorker:
         )
         try:
             # Without the prompt projection every trajectory would wait, then be dead-lettered.
-            await run_beside(consumer.run(stop), prompts, stop, "the prompt projection")
+            await run_beside(consumer.run(stop), prompts, stop, "the reward worker's prompt projection")
         finally:
             if self.sandbox is not None:
                 await self.sandbox.close()
