@@ -73,3 +73,42 @@ def _state(pid: int) -> str:
             return stat.read().split(") ", 1)[1][0]
     except OSError:
         return "Z"
+
+
+def test_a_restarted_workers_reason_is_the_last_line_it_printed_and_its_restarts_are_counted(tmp_path):
+    supervisor = Supervisor(tmp_path, backoff_initial_s=0.05, backoff_max_s=0.1, healthy_after_s=60)
+    code = (
+        "import os, sys\n"
+        "print('{\"event\": \"loading\", \"level\": \"info\"}', flush=True)\n"
+        "n = len(open(sys.argv[1]).read()) if os.path.exists(sys.argv[1]) else 0\n"
+        "open(sys.argv[1], 'a').write('x')\n"
+        "print(f'sprawl: error: the log did not answer (attempt {n})', file=sys.stderr)\n"
+        "sys.exit(2)\n"
+    )
+    spec = WorkerSpec("flaky", [sys.executable, "-c", code, str(tmp_path / "attempts")], dict(os.environ))
+    worker = supervisor.add(spec)
+    _wait_for(lambda: worker.restarts >= 2 and worker.last_exit == 2, supervisor.poll)
+    supervisor.stop()
+    # The reason is this exit's, not an earlier one's: the log is appended to across restarts.
+    attempts = len((tmp_path / "attempts").read_text())
+    assert worker.last_reason in {
+        f"sprawl: error: the log did not answer (attempt {n})" for n in (attempts - 2, attempts - 1)
+    }
+    assert "exited 2 after" in supervisor.events[0]
+    assert supervisor.events[0].endswith(f"(see {worker.log_file})")
+    assert ": sprawl: error: the log did not answer (attempt 0); restart 1 in " in supervisor.events[0]
+    assert "(attempt 1); restart 2 in " in supervisor.events[1]
+
+
+def test_exit_reason_reads_a_structlog_line_and_shortens_a_long_one(tmp_path):
+    from workers.up.supervisor import exit_reason
+
+    log_file = tmp_path / "w.log"
+    log_file.write_text('old run\n{"event": "feed failed", "error": "LogUnavailable(...)", "level": "error"}\n')
+    assert exit_reason(log_file, 0) == "feed failed LogUnavailable(...)"
+    offset = log_file.stat().st_size
+    assert exit_reason(log_file, offset) is None  # nothing printed by this start
+    with log_file.open("a") as out:
+        out.write("Traceback (most recent call last):\n  ...\nRuntimeError: " + "x" * 500 + "\n")
+    reason = exit_reason(log_file, offset)
+    assert reason.startswith("RuntimeError: xxx") and len(reason) == 240 and reason.endswith("…")

@@ -9,8 +9,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from workers.up.monitor import RunState
+from workers.up.monitor import RunState, ServiceHealth
 from workers.up.supervisor import Supervisor
+from workers.up.watchdog import Stall
 
 _BLOCKS = "▁▂▃▄▅▆▇█"
 
@@ -52,7 +53,28 @@ def _island_kl(state: RunState, group: str) -> float | None:
     return None
 
 
-def render(state: RunState, supervisor: Supervisor | None, *, phase: str, target: int | None) -> Group:
+def services_line(services: list[ServiceHealth]) -> Text:
+    """Each service's state: an outage shows in red with how long it has lasted."""
+    line = Text()
+    for index, service in enumerate(services):
+        if index:
+            line.append("  ·  ")
+        if service.up:
+            line.append(f"{service.name}: up", style="green")
+        else:
+            line.append(f"{service.name}: UNREACHABLE for {time.time() - service.since:.0f}s", style="bold red")
+    return line
+
+
+def render(
+    state: RunState,
+    supervisor: Supervisor | None,
+    *,
+    phase: str,
+    target: int | None,
+    services: list[ServiceHealth] | None = None,
+    stall: Stall | None = None,
+) -> Group:
     elapsed = time.time() - state.started_at
     head = state.head
     header = Text.assemble(
@@ -114,27 +136,42 @@ def render(state: RunState, supervisor: Supervisor | None, *, phase: str, target
         first, last = sum(curve[:k]) / k, sum(curve[-k:]) / k
         reward_panel.append(f"  first fifth {first:.2f} → last fifth {last:.2f}  ({len(curve)} updates)", style="dim")
 
-    parts = [
-        header,
+    parts: list = [header]
+    if services:
+        parts.append(services_line(services))
+    if stall is not None:
+        parts.append(Panel(Text(stall.line(), style="bold red"), title="STALLED", title_align="left", style="red"))
+    parts += [
         Panel(trainer, title="trainer", title_align="left"),
         Panel(islands, title="islands", title_align="left"),
         Panel(reward_panel, title="reward per update (0 to 1)", title_align="left"),
     ]
     if supervisor is not None:
-        workers = Table("worker", "state", "pid", "restarts", expand=False)
+        workers = Table("worker", "state", "pid", "restarts", "last exit", expand=False)
         for worker in supervisor.workers.values():
             pid = worker.process.pid if worker.process is not None else "-"
-            workers.add_row(worker.spec.name, worker.state, str(pid), str(worker.restarts))
+            last = "-" if worker.last_exit is None else f"{worker.last_exit}: {worker.last_reason or '(no output)'}"
+            workers.add_row(worker.spec.name, worker.state, str(pid), str(worker.restarts), last[:100])
         events = "\n".join(supervisor.events[-3:])
         parts.append(Panel(Group(workers, Text(events, style="yellow")) if events else workers, title="workers"))
     return Group(*parts)
 
 
-def progress_line(state: RunState, *, phase: str, target: int | None) -> str:
-    """One line for logs and non-terminals."""
+def progress_line(
+    state: RunState,
+    *,
+    phase: str,
+    target: int | None,
+    services: list[ServiceHealth] | None = None,
+    stall: Stall | None = None,
+) -> str:
+    """One line for logs and non-terminals (an outage and a stall are on it too)."""
     reward = _latest(state, "reward_mean")
+    down = [f"{s.name} UNREACHABLE for {time.time() - s.since:.0f}s" for s in services or [] if not s.up]
     return (
         f"[{time.time() - state.started_at:6.0f}s] {phase}: version {state.head}/{target}, "
         f"reward {reward if reward is None else round(reward, 3)}, "
         f"trajectories {dict(state.trajectories_by_view)}, dead letters {sum(state.dead_letters.values())}"
+        + "".join(f"; {d}" for d in down)
+        + (f"; {stall.line()}" if stall is not None else "")
     )

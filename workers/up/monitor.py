@@ -8,6 +8,7 @@ S3, so a second `sprawl up` that continues a run sees the whole history, not jus
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import statistics
 import time
@@ -171,18 +172,45 @@ _GLANCES = {
 }
 
 
-class RunMonitor:
-    """Tails the run's streams into a RunState (one task per stream)."""
+@dataclass
+class ServiceHealth:
+    """Whether a service answers, as `up` last saw it: an outage is a state the live view shows."""
 
-    def __init__(self, event_log: EventLog, blobs: BlobStore, run_id: str):
+    name: str
+    up: bool = True
+    since: float = field(default_factory=time.time)
+    """When it last changed state."""
+    error: str = ""
+
+    def saw(self, up: bool, error: str = "", now: float | None = None) -> None:
+        if up != self.up:
+            self.up, self.since = up, time.time() if now is None else now
+            (log.info if up else log.warning)(f"{self.name} {'answers again' if up else 'unreachable'}", error=error)
+        self.error = "" if up else error
+
+
+class RunMonitor:
+    """Tails the run's streams into a RunState (one task per stream), and probes the bus and S3.
+
+    Each feed keeps the stream sequence of the last message it counted and resumes after it when the
+    feed is lost (a nats-server restart takes the replay's consumer with it): counts go on from where
+    they were, never from the start again."""
+
+    def __init__(self, event_log: EventLog, blobs: BlobStore, run_id: str, *, probe_every_s: float = 2.0):
         self.log, self.blobs = event_log, blobs
         self.state = RunState(run_id)
+        self.positions: dict[str, int] = {}
+        """Per stream: the sequence of the last message applied to the state."""
+        self.bus = ServiceHealth("the bus (nats)")
+        self.store = ServiceHealth("the blob store (S3)")
+        self.probe_every_s = probe_every_s
         self._tasks: list[asyncio.Task] = []
         self._stop = asyncio.Event()
 
-    def start(self) -> None:
+    def feeds(self) -> dict[str, str]:
+        """Stream -> the subjects of this run that the monitor reads from it."""
         run = self.state.run_id
-        feeds = {
+        return {
             POLICY.name: policy_filter(run),
             METRICS.name: METRICS.run_filter(run),  # trainer metrics and island heartbeats
             TRAJECTORIES.name: trajectories_filter(run),
@@ -191,10 +219,16 @@ class RunMonitor:
             DEADLETTER.name: DEADLETTER.run_filter(run),
             TRAINER.name: group_dropped_subject(run),  # not the checkpoints and leases
         }
+
+    def start(self, streams: list[str] | None = None, *, probe: bool = True) -> None:
+        """Follow every feed (or only `streams`); `probe`: watch the bus and S3 too."""
+        feeds = {k: v for k, v in self.feeds().items() if streams is None or k in streams}
         self._tasks = [
             asyncio.create_task(self._follow(stream, subject), name=f"monitor-{stream}")
             for stream, subject in feeds.items()
         ]
+        if probe:
+            self._tasks.append(asyncio.create_task(self._probe(), name="monitor-health"))
 
     async def stop(self) -> None:
         self._stop.set()
@@ -202,24 +236,77 @@ class RunMonitor:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def _reconnects(self) -> int:
+        return int(self.log.nc.stats.get("reconnects", 0))
+
     async def _follow(self, stream: str, subject: str) -> None:
+        """Read the feed; when it fails, or the client reconnected (the server may have lost the
+        replay's consumer, and a fetch on a lost consumer only ever times out), read again from the
+        message after the last one applied."""
+        while not self._stop.is_set():
+            reconnects = self._reconnects()
+            feed = asyncio.create_task(self._read(stream, subject))
+            reconnected = asyncio.create_task(self._until_reconnected(reconnects))
+            try:
+                await asyncio.wait({feed, reconnected}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (feed, reconnected):
+                    task.cancel()
+                await asyncio.gather(feed, reconnected, return_exceptions=True)
+            if feed.done() and not feed.cancelled() and feed.exception() is None:
+                return  # stopped
+            error = feed.exception() if feed.done() and not feed.cancelled() else None
+            if error is not None and not isinstance(error, (TransientError, *NO_ANSWER, nats.errors.Error)):
+                raise error
+            log.warning(
+                "monitor feed lost; resuming after the last message it counted",
+                stream=stream,
+                stream_seq=self.positions.get(stream, 0),
+                error=repr(error) if error is not None else "the client reconnected",
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=1.0)
+
+    async def _until_reconnected(self, reconnects: int) -> None:
+        while self._reconnects() == reconnects or not self.log.nc.is_connected:
+            await asyncio.sleep(0.5)
+
+    async def _read(self, stream: str, subject: str) -> None:
+        start = self.positions.get(stream, 0) + 1
+        async for msg in tail_messages(self.log, stream, subject, start, self._stop):
+            seq = msg.metadata.sequence.stream
+            if seq <= self.positions.get(stream, 0):
+                continue  # already counted (a redelivery of a replay that was cut short)
+            if not (stream in _GLANCES and self._glance(stream, msg.data)):
+                try:
+                    event = await self.log.resolve(msg.data, subject=msg.subject)
+                except PoisonEvent:
+                    event = None  # dead-lettered by the worker that consumed it; counted there
+                if event is not None:
+                    await self._apply(event)
+            self.positions[stream] = seq
+
+    async def _probe(self) -> None:
+        """Every `probe_every_s`: does the bus answer a round trip, does S3 answer a listing?"""
         while not self._stop.is_set():
             try:
-                async for msg in tail_messages(self.log, stream, subject, 1, self._stop):
-                    if stream in _GLANCES and self._glance(stream, msg.data):
-                        continue
-                    try:
-                        event = await self.log.resolve(msg.data)
-                    except PoisonEvent:
-                        continue  # dead-lettered by the worker that consumed it; counted there
-                    await self._apply(event)
-                return
-            except asyncio.CancelledError:
-                raise
-            except (TransientError, *NO_ANSWER, nats.errors.Error) as exc:
-                # A NATS restart: resume (an idempotent projection, so from the start).
-                log.warning("monitor feed failed; resuming", stream=stream, error=repr(exc))
-                await asyncio.sleep(1.0)
+                await self.log.nc.flush(timeout=max(1, int(self.probe_every_s)))
+                self.bus.saw(self.log.nc.is_connected, "" if self.log.nc.is_connected else "disconnected")
+            except (*NO_ANSWER, nats.errors.Error) as exc:
+                self.bus.saw(False, repr(exc))
+            # One listing at a time, never abandoned: a thread cannot be cancelled, and piling up
+            # probes of a hung store would starve every other `to_thread` of `up` (stopping workers).
+            listing = asyncio.ensure_future(asyncio.to_thread(self.blobs.list_keys, "sprawl-health/"))
+            done, _ = await asyncio.wait({listing}, timeout=self.probe_every_s * 5)
+            if not done:
+                self.store.saw(False, f"no answer to a listing within {self.probe_every_s * 5:.0f}s")
+            try:
+                await listing
+                self.store.saw(True)
+            except SprawlError as exc:
+                self.store.saw(False, str(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=self.probe_every_s)
 
     def _glance(self, stream: str, data: bytes) -> bool:
         """Count a trajectory or a reward from the few fields the view needs (these streams carry

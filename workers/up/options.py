@@ -51,6 +51,14 @@ class PromptSection(Section):
     groups_ahead / trainer.groups_per_batch versions."""
 
 
+class WatchdogSection(Section):
+    """`up`'s stall watchdog."""
+
+    stall_after_s: float = Field(300.0, gt=0)
+    """Say loudly that the run is stalled (and what looks stuck) when no new policy version has
+    appeared for this long."""
+
+
 DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
     "trainer": {"groups_per_batch": 8, "group_size": 16, "learning_rate": 3e-4},
     "chain": {"views": ["bf16", "fp8_e4m3"], "keyframe_every": 50},
@@ -69,6 +77,8 @@ class UpSettings(StackSettings):
     """The demo task and its warm-up."""
     prompts: PromptSection = PromptSection()
     """The prompt driver."""
+    watchdog: WatchdogSection = WatchdogSection()
+    """When a run without new versions counts as stalled."""
 
     @model_validator(mode="before")
     @classmethod

@@ -332,6 +332,7 @@ async def _train(
     from workers.up.prompt_driver import PromptDriver, prompts_in_log
     from workers.up.summary import summarize
     from workers.up.supervisor import Supervisor
+    from workers.up.watchdog import StallWatchdog
 
     start_version = head.version if head is not None else 0
     blobs = open_blob_store(settings.blobs)
@@ -340,6 +341,7 @@ async def _train(
     supervisor = Supervisor(run_dir / "logs")
     signals.on_again.append(supervisor.kill_all)  # a second signal: no more draining
     live = None
+    watchdog: StallWatchdog | None = None
     plans: list[WorkerPlan] = []
     try:
         progress.phase = "counting the run's prompts"
@@ -363,10 +365,14 @@ async def _train(
             live.start()
         trainer = supervisor.workers["trainer"]
         shown_events = 0
+        watchdog = StallWatchdog(settings.watchdog.stall_after_s)
+        services = [monitor.bus, monitor.store]
+        shown_stall: tuple[str, ...] | None = None
         while not signals.stopped:
             supervisor.poll()
             state = monitor.state
-            if state.head is not None:
+            stall = watchdog.check(state, supervisor, monitor.bus, monitor.store)
+            if state.head is not None and monitor.bus.up:  # publishing to an absent bus would only wait
                 progress.phase = "training"
                 await signals.until_stopped(driver.top_up(state.trained_groups(), stop_after), progress.phase)
             if trainer.finished:
@@ -378,15 +384,20 @@ async def _train(
                         f"last exit {worker.last_exit}: {worker.last_reason or 'no reason printed'})",
                         hint=f"its log is {worker.log_file}",
                     )
+            view = {"phase": progress.phase, "target": target, "services": services, "stall": stall}
             if live is not None:
-                live.update(render(state, supervisor, phase=progress.phase, target=target))
+                live.update(render(state, supervisor, **view))
             else:
                 for event in supervisor.events[shown_events:]:  # restarts are news: print them at once
                     out.print(f"[{time.time() - state.started_at:6.0f}s] {event}")
                 shown_events = len(supervisor.events)
+                if stall is not None and stall.causes != shown_stall:  # a stall is news too
+                    out.print(f"[{time.time() - state.started_at:6.0f}s] {stall.line()}", style="bold red")
+                    last_line = time.monotonic()
+            shown_stall = None if stall is None else stall.causes
             if live is None and time.monotonic() - last_line > 10:
                 last_line = time.monotonic()
-                out.print(progress_line(state, phase=progress.phase, target=target))
+                out.print(progress_line(state, **view))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(signals.event.wait(), timeout=0.25)
         interrupted = signals.stopped
@@ -422,6 +433,7 @@ async def _train(
         start_version=start_version,
         interrupted=interrupted,
     )
+    summary["stalls"] = watchdog.fired if watchdog is not None else 0
     if signals.signum is not None:
         summary["stopped_by"] = signal_name(signals.signum)
     out.print(text)
