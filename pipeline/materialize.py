@@ -362,7 +362,7 @@ class Materializer:
             fcntl.flock(lock, fcntl.LOCK_EX)
             tried: set[PartKey] = set()  # failed in this call: not tried again in it, whatever its backoff
             bad_starts: set[tuple[str, int]] = set()
-            reasons: list[str] = []
+            local_reasons: list[str] = []  # failures of this cache, which `self.failures` does not keep
             while True:
                 best = self._reachable(lowest, version, tried, bad_starts)
                 target = version if version in best else None
@@ -372,7 +372,7 @@ class Materializer:
                     raise VersionUnbuildable(
                         version,
                         self.view,
-                        reasons + self.failures.reasons(lowest, version),
+                        self.failures.reasons(lowest, version) + local_reasons,
                         self.failures.retry_in_s(lowest, version),
                     )
                 start, edges = self._route(best, target)
@@ -381,8 +381,8 @@ class Materializer:
                 try:
                     result = self._execute(target, start, edges)
                 except _EdgeFailed as exc:
-                    reasons.append(exc.reason)
-                    self._set_aside(target, exc, tried, bad_starts)
+                    if not self._set_aside(target, exc, tried, bad_starts):
+                        local_reasons.append(exc.reason)
                     continue
                 for part in [start, *(edge.key for edge in edges), ("version", target)]:
                     self.failures.cleared(part)
@@ -396,9 +396,10 @@ class Materializer:
         self._point_current(done)
         return Materialized(version, self.view, done, manifest["root_hash"], 0, f"cache:v{version}")
 
-    def _set_aside(self, target: int, exc: _EdgeFailed, tried: set[PartKey], bad_starts: set) -> None:
+    def _set_aside(self, target: int, exc: _EdgeFailed, tried: set[PartKey], bad_starts: set) -> bool:
         """Keep the failed part out of this call's plans and, for remote parts, out of later calls'
-        until its backoff has passed (a bad local cache entry is checked afresh next time)."""
+        until its backoff has passed (a bad local cache entry is checked afresh next time). Returns
+        whether a remote part was recorded."""
         parts: list[PartKey] = []
         if exc.edge is not None:
             parts.append(exc.edge.key)
@@ -421,6 +422,7 @@ class Materializer:
                 failures=failure.failures,
                 retry_in_s=round(failure.delay_s, 3),
             )
+        return bool(parts)
 
     def _execute(self, version: int, start: tuple[str, int], edges: list[_Edge]) -> Materialized:
         kind, start_version = start
@@ -517,9 +519,8 @@ class Materializer:
                 return ref.bytes
             except BlobIntegrityError as exc:
                 if attempt == 2:
-                    raise _EdgeFailed(
-                        edge, start, f"{blob.uri} is corrupt after a refetch: {exc.message}", blob.uri
-                    ) from exc
+                    reason = f"{blob.uri} is corrupt after a refetch (sha256 {exc.actual}, expected {exc.expected})"
+                    raise _EdgeFailed(edge, start, reason, blob.uri) from exc
                 log.warning("blob failed verification, refetching once", uri=blob.uri)
             except BlobNotFound as exc:
                 raise _EdgeFailed(edge, start, f"missing blob {blob.uri}", blob.uri) from exc

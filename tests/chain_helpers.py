@@ -1,6 +1,9 @@
-"""Helpers for version-chain tests: a publisher over a tiny model, and what each version must be."""
+"""Helpers for version-chain tests: a publisher over a tiny model, what each version must be, and
+blobs corrupted in the store the way a bad disk or a stray hand would."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -18,10 +21,51 @@ def expected_root(state_dict: dict[str, torch.Tensor], view: str) -> str:
     return root_hash([(n, dtype_name(t.dtype), tuple(t.shape), checksum(to_bits(t))) for n, t in tensors.items()])
 
 
-def publisher(event_log: EventLog, settings, model, **chain) -> ChainPublisher:
+def corrupt_object(blobs: S3BlobStore, uri: str) -> bytes:
+    """Flip one byte of a stored object in place (its metadata kept, so only the sha256 of its bytes
+    can tell); returns the original bytes, for a test that re-publishes them."""
+    bucket, key = uri.removeprefix("s3://").split("/", 1)
+    head = blobs.client.head_object(Bucket=bucket, Key=key)
+    original = blobs.client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    body = bytearray(original)
+    body[len(body) // 2] ^= 0xFF
+    blobs.client.put_object(Bucket=bucket, Key=key, Body=bytes(body), Metadata=head["Metadata"])
+    return original
+
+
+def republish_object(blobs: S3BlobStore, uri: str, data: bytes) -> None:
+    """Write an object's right bytes back under its key, as an operator repairing the store would."""
+    bucket, key = uri.removeprefix("s3://").split("/", 1)
+    head = blobs.client.head_object(Bucket=bucket, Key=key)
+    blobs.client.put_object(Bucket=bucket, Key=key, Body=data, Metadata=head["Metadata"])
+
+
+def patch_key(target: int, base: int) -> Callable[[str], bool]:
+    """Matches the keys of the patch (or skip patch) base -> target, whatever the view and shard."""
+    return lambda key: f"/v{target:08d}-" in key and f"/patch-from-v{base}/" in key
+
+
+class CorruptingBlobStore(S3BlobStore):
+    """An S3 store that corrupts chosen blobs right after they are written and verified, before the
+    publisher appends the event naming them: a follower never gets a chance to see them intact."""
+
+    def __init__(self, settings, corrupt: Callable[[str], bool]):
+        super().__init__(settings)
+        self.corrupt = corrupt
+        self.corrupted: dict[str, bytes] = {}
+        """uri -> the original bytes, for each blob corrupted."""
+
+    def put_bytes(self, data: bytes, key: str | None = None, **kw):
+        ref = super().put_bytes(data, key, **kw)
+        if key is not None and self.corrupt(key):
+            self.corrupted[ref.uri] = corrupt_object(self, ref.uri)
+        return ref
+
+
+def publisher(event_log: EventLog, settings, model, *, blobs: S3BlobStore | None = None, **chain) -> ChainPublisher:
     return ChainPublisher(
         event_log,
-        S3BlobStore(settings.blobs),
+        blobs or S3BlobStore(settings.blobs),
         run_id=settings.run_id,
         model_config=model.config.to_dict(),
         settings=ChainSettings(**chain),

@@ -12,15 +12,17 @@ from transformers import Qwen3MoeForCausalLM
 from pipeline.blobstore import S3BlobStore
 from pipeline.chain_publish import VersionOutOfOrder
 from pipeline.errors import AppendConflict
-from pipeline.materialize import MaterializeError, verify_directory
+from pipeline.materialize import Backoff, MaterializeError, RouteFailures, VersionUnbuildable, verify_directory
 from pipeline.version_log import VersionNotAvailable
-from tests.chain_helpers import expected_root, materializer, publisher
+from tests.chain_helpers import corrupt_object, expected_root, materializer, publisher, republish_object
 from tests.tiny_models import adam_like_step, tiny_moe
 
 pytestmark = pytest.mark.integration
 
 
-async def _publish_chain(event_log, settings, versions: int, lr: float = 1e-5, **chain):
+async def _publish_chain(event_log, settings, versions: int, lr: float = 1e-5, drift: bool = False, **chain):
+    """`drift`: every step has the same signs (momentum), so a skip patch over k steps changes more
+    bits than one patch; otherwise random signs cancel and skip patches come out smaller."""
     model = tiny_moe()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     pub = publisher(event_log, settings, model, **chain)
@@ -28,7 +30,7 @@ async def _publish_chain(event_log, settings, versions: int, lr: float = 1e-5, *
     roots, events = [], []
     for v in range(versions):
         if v:
-            adam_like_step(state, lr, gen)
+            adam_like_step(state, lr, torch.Generator().manual_seed(0) if drift else gen)
         events.append(await pub.publish(v, state))
         roots.append({view: expected_root(state, view) for view in chain.get("views", ["bf16"])})
     pub.close()
@@ -92,12 +94,7 @@ async def test_materialized_keyframe_generates_like_the_in_memory_model(event_lo
 
 
 def _tamper(settings, uri: str) -> None:
-    blobs = S3BlobStore(settings.blobs)
-    bucket, key = uri.removeprefix("s3://").split("/", 1)
-    head = blobs.client.head_object(Bucket=bucket, Key=key)
-    body = bytearray(blobs.client.get_object(Bucket=bucket, Key=key)["Body"].read())
-    body[len(body) // 2] ^= 0xFF
-    blobs.client.put_object(Bucket=bucket, Key=key, Body=bytes(body), Metadata=head["Metadata"])
+    corrupt_object(S3BlobStore(settings.blobs), uri)
 
 
 def _delete(settings, uri: str) -> str:
@@ -119,6 +116,66 @@ async def test_corrupt_patch_is_refetched_then_the_keyframe_route_taken(event_lo
     with pytest.raises(MaterializeError, match="corrupt after a refetch") as info:
         await sampler.materialize(2)
     assert events[2].views[0].blobs[0].uri in str(info.value)
+
+
+async def test_a_corrupt_patch_is_routed_around_through_a_skip_patch(event_log, settings, tmp_path):
+    _, _, roots, events = await _publish_chain(
+        event_log, settings, 5, drift=True, keyframe_every=100, skip_distances=[2]
+    )
+    patch, [skip] = events[4].views[0], events[4].views[0].skip_patches
+    assert patch.bytes < skip.bytes  # the ordinary patch is the plan, so it is tried and fails
+    sampler = materializer(event_log, settings, tmp_path)
+    for v in (1, 2, 3):
+        await sampler.materialize(v)
+    _tamper(settings, patch.blobs[0].uri)
+    got = await sampler.materialize(4)
+    assert got.route == "cache:v2 -> skip:v4"
+    assert got.root_hash == roots[4]["bf16"] == verify_directory(got.path)
+    assert sampler.failures.by_blob == {patch.blobs[0].uri: 1}
+
+
+async def test_a_corrupt_part_is_set_aside_for_its_backoff_then_a_republished_blob_is_used(
+    event_log, settings, tmp_path
+):
+    _, _, roots, events = await _publish_chain(event_log, settings, 3, keyframe_every=100)
+    uri = events[2].views[0].blobs[0].uri
+    original = corrupt_object(S3BlobStore(settings.blobs), uri)
+    now = [0.0]
+    sampler = materializer(event_log, settings, tmp_path)
+    sampler.failures = RouteFailures(Backoff(first_s=30.0, max_s=60.0, jitter=0.0), clock=lambda: now[0])
+    await sampler.materialize(1)
+    for _ in range(3):  # asked again and again within the backoff: the blob is not fetched again
+        with pytest.raises(VersionUnbuildable, match="corrupt after a refetch") as info:
+            await sampler.materialize(2)
+        assert uri in str(info.value) and info.value.retry_in_s == 30.0
+    assert sampler.failures.by_blob == {uri: 1}
+    now[0] = 30.0  # the backoff has passed: tried again, still corrupt, and set aside for twice as long
+    with pytest.raises(VersionUnbuildable):
+        await sampler.materialize(2)
+    assert sampler.failures.by_blob == {uri: 2} and sampler.failures.retry_in_s() == 60.0
+    republish_object(S3BlobStore(settings.blobs), uri, original)
+    now[0] = 90.0
+    got = await sampler.materialize(2)
+    assert got.route == "cache:v1 -> patch:v2" and verify_directory(got.path) == roots[2]["bf16"]
+    assert sampler.failures.open() == [] and sampler.failures.total == 2
+
+
+async def test_the_newest_buildable_version_reaches_back_past_a_corrupt_keyframe(event_log, settings, tmp_path):
+    _, _, roots, events = await _publish_chain(event_log, settings, 7, keyframe_every=3)
+    shard = next(b for b in events[6].views[0].blobs if b.name.endswith(".safetensors"))
+    _tamper(settings, shard.uri)  # v6's keyframe: v6 and v7 cannot be built at all
+    _tamper(settings, events[5].views[0].blobs[0].uri)  # and v5's patch: v3 -> v4 is as far as it goes
+    fresh = materializer(event_log, settings, tmp_path)
+    with pytest.raises(VersionUnbuildable, match="keyframe v6"):
+        await fresh.materialize(6)
+    got = await fresh.materialize_newest(6)
+    assert got.version == 4 and got.route == "keyframe:v3 -> patch:v4"
+    assert got.root_hash == roots[4]["bf16"] == verify_directory(got.path)
+    assert fresh.failures.by_blob == {shard.uri: 1, events[5].views[0].blobs[0].uri: 1}
+    # Nothing newer than what an island already serves: unbuildable, and nothing fetched again.
+    with pytest.raises(VersionUnbuildable):
+        await fresh.materialize_newest(6, above=4)
+    assert fresh.failures.total == 2
 
 
 async def test_missing_blobs_are_named(event_log, settings, tmp_path):

@@ -5,12 +5,18 @@ policy subjects wakes it the moment a version is appended; a slow poll covers mi
 materializes each new version through the chain before anyone asks for it, and commits it to the
 engine with a short pause. Requests state which versions they accept; `ensure_version` either
 returns at once, catches up first, or refuses with the current and the wanted version.
+
+When the head cannot be built (a corrupt or missing blob on every route to it), the island serves
+the newest version it can build and verify, says so (`blocked`, state `catching_up`, a log line),
+and leaves the retries to the materializer's backoff: a wake-up per new version re-plans, but a
+set-aside blob is not fetched again before its backoff has passed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import re
 import socket
 import time
@@ -23,7 +29,7 @@ from pipeline.blobstore import BlobStore
 from pipeline.errors import SprawlError
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
-from pipeline.materialize import Materializer
+from pipeline.materialize import Backoff, Materialized, Materializer, VersionUnbuildable
 from pipeline.subjects import policy_filter
 from pipeline.version_log import VersionNotAvailable, chain_head
 from schemas import IslandIdentity, VersionConstraint
@@ -71,6 +77,17 @@ class VersionUnreachable(SprawlError):
             f"island is at version {current}; the request wants {wanted}",
             hint="retry later or route the request to another island",
         )
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """The newest version in the log that the island cannot build yet; it serves `serving` meanwhile."""
+
+    head: int
+    serving: int | None
+    reason: str
+    retry_in_s: float | None
+    """Seconds until a failed part on the way to it may be tried again (None: nothing to wait for)."""
 
 
 @dataclass(frozen=True)
@@ -128,11 +145,15 @@ class Island:
         self.engine = engine
         self.run_id = run_id
         self.settings = settings
+        retry = settings.route_retry
+        self.backoff = Backoff(first_s=retry.first_s, max_s=retry.max_s, jitter=retry.jitter)
         self.materializer = Materializer(
-            event_log, blobs, run_id=run_id, view=settings.view, settings=settings.materialize
+            event_log, blobs, run_id=run_id, view=settings.view, settings=settings.materialize, retry=self.backoff
         )
         self.stats = IslandStats()
         self.head: int | None = None
+        self.blocked: Blocked | None = None
+        """Set while the head cannot be built and an older version is served (or none yet)."""
         self.capabilities: Capabilities | None = None
         self.state = "starting"
         self._commit_lock = asyncio.Lock()
@@ -181,41 +202,115 @@ class Island:
         self._wake.set()
 
     async def _follow(self) -> None:
-        """Keep the engine at the head of the chain (prefetch, stage, commit)."""
+        """Keep the engine at the head of the chain (prefetch, stage, commit), or as near as it can be built."""
+        failures = 0
+        rng = random.Random()
         while True:
+            self._wake.clear()  # before looking: a version appended while we work wakes the next round
             try:
                 head = await chain_head(self.log, self.run_id)
                 if head is not None:
                     self.head = head.version if self.head is None else max(self.head, head.version)
                     if self.version is None or self.version < head.version:
-                        await self.commit(head.version)
+                        await self.advance(head.version)
+                failures = 0
             except (SprawlError, EngineError, nats.errors.Error, OSError) as exc:
-                # the log, the blob store or the engine hiccuped: the next wake-up or poll retries
-                log.warning("following the chain failed; will retry", error=repr(exc))
+                # The log, the blob store or the engine failed. Wait out a backoff that a wake-up does not
+                # cut short: with a version a second, retrying on every wake-up was a hot loop.
+                failures += 1
+                delay = self.backoff.delay(failures, rng)
+                log.warning(
+                    "following the chain failed; will retry", error=repr(exc), failures=failures, retry_in_s=delay
+                )
                 raise_if_cancelled()  # nats-py may have turned our cancellation into that timeout
-            self._wake.clear()
+                self._settle_state()
+                await asyncio.sleep(delay)
+                continue
+            wait_s = self.settings.poll_interval_s
+            if self.blocked is not None and self.blocked.retry_in_s is not None:
+                wait_s = min(wait_s, max(self.blocked.retry_in_s, 0.01))  # retry as the backoff ends
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self.settings.poll_interval_s)
+                await asyncio.wait_for(self._wake.wait(), timeout=wait_s)
+
+    async def advance(self, head: int) -> int | None:
+        """Serve `head` or, when no route to it works now, the newest version newer than the one served
+        that can be built and verified (`blocked` says which and why). Returns the version served."""
+        async with self._commit_lock:
+            current = self.version
+            if current is not None and current >= head:
+                self._unblock(current)
+                return current
+            self.state = "catching_up" if current is not None else "starting"
+            try:
+                got = await self.materializer.materialize_newest(head, above=current)
+            except VersionUnbuildable as exc:
+                self._block(head, exc.message, exc.retry_in_s)
+                return current
+            except BaseException:
+                self._settle_state()
+                raise
+            await self._load(got)
+            if got.version < head:
+                failures = self.materializer.failures
+                reasons = failures.reasons(got.version + 1, head)
+                self._block(head, "; ".join(reasons) or "no route", failures.retry_in_s(got.version + 1, head))
+            else:
+                self._unblock(got.version)
+            return got.version
 
     async def commit(self, version: int) -> int:
-        """Materialize `version` (waiting for it to reach the log) and commit it to the engine."""
+        """Materialize exactly `version` (waiting for it to reach the log) and commit it to the engine."""
         async with self._commit_lock:
             if self.version is not None and self.version >= version:
                 return self.version
             self.state = "catching_up" if self.version is not None else "starting"
-            got = await self.materializer.materialize(version)
-            pause = await self.engine.load_weights(got.path, version, self._changed_since(self.version, version))
-            self.stats.record(CommitRecord(version, time.time(), pause, got.root_hash, got.route))
-            self.head = version if self.head is None else max(self.head, version)
-            self.state = "serving"
-            log.info(
-                "serving version",
-                version=version,
-                route=got.route,
-                pause_s=round(pause, 4),
-                downloaded_bytes=got.downloaded_bytes,
-            )
+            try:
+                got = await self.materializer.materialize(version)
+                await self._load(got)
+            finally:
+                self._settle_state()
+            if self.blocked is not None and version >= self.blocked.head:
+                self._unblock(version)
             return version
+
+    async def _load(self, got: Materialized) -> None:
+        pause = await self.engine.load_weights(got.path, got.version, self._changed_since(self.version, got.version))
+        self.stats.record(CommitRecord(got.version, time.time(), pause, got.root_hash, got.route))
+        self.head = got.version if self.head is None else max(self.head, got.version)
+        log.info(
+            "serving version",
+            version=got.version,
+            route=got.route,
+            pause_s=round(pause, 4),
+            downloaded_bytes=got.downloaded_bytes,
+        )
+
+    def _block(self, head: int, reason: str, retry_in_s: float | None) -> None:
+        if self.blocked is None or (self.blocked.head, self.blocked.serving) != (head, self.version):
+            log.warning(
+                "cannot build the head yet; serving the newest version that could be built",
+                head=head,
+                version=self.version,
+                reason=reason,
+                retry_in_s=retry_in_s,
+            )
+        self.blocked = Blocked(head, self.version, reason, retry_in_s)
+        self._settle_state()
+
+    def _unblock(self, version: int) -> None:
+        if self.blocked is not None:
+            log.info("the head can be built again", version=version, was_blocked_at=self.blocked.head)
+            self.blocked = None
+        self._settle_state()
+
+    def _settle_state(self) -> None:
+        """The state after a commit attempt, whatever its outcome (the heartbeat reports it)."""
+        if self.state == "draining":
+            return
+        if self.version is None:
+            self.state = "starting"
+        else:
+            self.state = "catching_up" if self.blocked is not None else "serving"
 
     def _changed_since(self, current: int | None, version: int) -> list[str] | None:
         """Served tensors whose bits differ between the version the engine holds and `version`
@@ -250,9 +345,11 @@ class Island:
             if head is None:
                 await self._wait_for_any(wait_s)
             else:
-                await self.commit(head.version)
+                await self.advance(head.version)
         current = self.version
-        assert current is not None
+        if current is None:
+            reason = self.blocked.reason if self.blocked is not None else "nothing could be built"
+            raise VersionUnreachable(None, f"any version (none can be built yet: {reason})")
         if accepts.exact_version is not None:
             if current == accepts.exact_version:
                 return current
@@ -276,7 +373,7 @@ class Island:
                 raise VersionUnreachable(self.version, wanted)
         try:
             return await self.commit(version)
-        except VersionNotAvailable as exc:
+        except (VersionNotAvailable, VersionUnbuildable) as exc:
             raise VersionUnreachable(self.version, wanted) from exc
 
     async def _wait_for_any(self, wait_s: float) -> None:
@@ -284,7 +381,7 @@ class Island:
         while self.version is None:
             head = await chain_head(self.log, self.run_id)
             if head is not None:
-                await self.commit(head.version)
+                await self.advance(head.version)  # may serve nothing yet: the caller says why
                 return
             if time.monotonic() > deadline:
                 raise VersionUnreachable(None, "any version (the chain is empty)")

@@ -9,13 +9,21 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from pipeline.config import MaterializeSettings, Section, SprawlSettings, _check_url, registered
 from pipeline.topology import token
 from workers.sampler.engines.factory import ENGINES
 
-__all__ = ["HTTP_ENGINES", "HTTPSection", "IslandSection", "SamplerSettings", "SidecarSettings", "ViewName"]
+__all__ = [
+    "HTTP_ENGINES",
+    "HTTPSection",
+    "IslandSection",
+    "RouteRetrySection",
+    "SamplerSettings",
+    "SidecarSettings",
+    "ViewName",
+]
 
 ViewName = Literal["bf16", "fp8_e4m3"]
 """The registered views (`pipeline.views.VIEWS`), spelled out because that registry imports torch;
@@ -23,6 +31,26 @@ tests/test_settings_bounds.py checks that the two agree."""
 
 HTTP_ENGINES = ("vllm", "sglang")
 """Engines that drive a server of their own over HTTP, so they need `engine_url`."""
+
+
+class RouteRetrySection(Section):
+    """How an island retries what failed on the way to a version (a corrupt or missing patch, skip
+    patch or keyframe, a log or store that did not answer): never in a loop, always after a wait
+    that doubles with each failure in a row."""
+
+    first_s: float = Field(2.0, gt=0)
+    """Wait after a first failure before the failed part is tried again."""
+    max_s: float = Field(300.0, gt=0)
+    """The longest wait, however many failures in a row."""
+    jitter: float = Field(0.5, ge=0, lt=1)
+    """Up to this fraction of each wait is taken off at random, so a fleet of islands does not retry
+    in step."""
+
+    @model_validator(mode="after")
+    def _cap_above_first(self) -> RouteRetrySection:
+        if self.max_s < self.first_s:
+            raise ValueError(f"max_s ({self.max_s}) is below first_s ({self.first_s})")
+        return self
 
 
 class IslandSection(Section):
@@ -50,6 +78,9 @@ class IslandSection(Section):
     """Fallback poll of the chain head, in case a wake-up message was missed."""
     materialize: MaterializeSettings = MaterializeSettings()
     """Where versions are cached on this island's disk."""
+    route_retry: RouteRetrySection = RouteRetrySection()
+    """Backoff for what failed on the way to a version; meanwhile the island serves the newest version
+    it could build."""
 
     @field_validator("island_id", "group")
     @classmethod

@@ -5,7 +5,8 @@ Routes
   drive multi-turn episodes; responses add a `sprawl` object (token ids, logprobs, top-k, kept
   sets, routed experts, version spans, island identity).
 - `POST /v1/tokens`: tokens in, tokens out, everything the trainer needs.
-- `GET /healthz` (the process is up), `/readyz` (serving a verified version), `/metrics`
+- `GET /healthz` (the process is up), `/readyz` (serving a verified version, even an older one
+  while the head cannot be built: the body says which head is blocked and why), `/metrics`
   (Prometheus text).
 
 Version constraints (`min_version`, `exact_version`, `max_staleness`) come in the body or as
@@ -122,8 +123,18 @@ class Sidecar:
 
     async def readyz(self, _request: web.Request) -> web.Response:
         healthy = await self._engine_healthy()
-        ready = healthy and self.island.version is not None and self.island.state == "serving"
-        body = {"ready": ready, "version": self.island.version, "state": self.island.state, "engine": healthy}
+        # Catching up, the engine still serves its last verified version: ready, and the body says so.
+        serving = self.island.state in ("serving", "catching_up")
+        ready = healthy and self.island.version is not None and serving
+        blocked = self.island.blocked
+        body = {
+            "ready": ready,
+            "version": self.island.version,
+            "head": self.island.head,
+            "state": self.island.state,
+            "engine": healthy,
+            "blocked": None if blocked is None else {"head": blocked.head, "reason": blocked.reason},
+        }
         return web.json_response(body, status=200 if ready else 503)
 
     async def metrics(self, _request: web.Request) -> web.Response:
@@ -145,6 +156,12 @@ class Sidecar:
             "# TYPE sprawl_commit_pause_seconds summary",
             f"sprawl_commit_pause_seconds_count {stats.commits}",
             f"sprawl_commit_pause_seconds_sum {stats.pause_total_s:.6f}",
+            "# HELP sprawl_island_blocked_head Newest version the island cannot build yet (-1: none).",
+            "# TYPE sprawl_island_blocked_head gauge",
+            f"sprawl_island_blocked_head {self.island.blocked.head if self.island.blocked is not None else -1}",
+            "# HELP sprawl_route_failures_total Failed parts of routes to a version (corrupt or missing blobs).",
+            "# TYPE sprawl_route_failures_total counter",
+            f"sprawl_route_failures_total {self.island.materializer.failures.total}",
             "# HELP sprawl_cached_versions Versions materialized on disk.",
             "# TYPE sprawl_cached_versions gauge",
             f"sprawl_cached_versions {len(self.island.materializer.cached_versions())}",
