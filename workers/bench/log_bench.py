@@ -44,9 +44,9 @@ def _event(run_id: str, size: int, n: int) -> Trajectory:
     return Trajectory(**{**{f: getattr(base, f) for f in base.__struct_fields__}, "text": "x" * max(pad, 0)})
 
 
-async def _time_raw(event_log: EventLog, subject: str, payloads: list[bytes]) -> float:
+async def _time_raw(event_log: EventLog, subjects: list[str], payloads: list[bytes]) -> float:
     t0 = time.perf_counter()
-    for payload in payloads:
+    for subject, payload in zip(subjects, payloads, strict=True):
         await event_log.js.publish(subject, payload)
     return time.perf_counter() - t0
 
@@ -71,14 +71,16 @@ async def _measure(settings: StackSettings, quick: bool) -> tuple[list[dict], di
             ours_s = raw_s = 0.0
             claim_checked = False
             # Round 0 warms connections, the stream's file blocks and S3; it is not counted.
-            raw_subject = run_subject(token(settings.run_id, "run_id"), Kind.TRAJECTORIES, "raw")
+            run = token(settings.run_id, "run_id")
             for r in range(rounds + 1):
                 events = [_event(settings.run_id, size, r * per_round + i) for i in range(per_round)]
                 raw = [encode_event(e) for e in events]
+                # One subject per message, like ours: TRAJECTORIES keeps one message per subject.
+                raw_subjects = [run_subject(run, Kind.TRAJECTORIES, "raw", f"{label}-{e.trajectory_id}") for e in events]
                 ours_first = r % 2 == 1
                 if ours_first:
                     ours, claim = await _time_ours(event_log, events)
-                raw_time = await _time_raw(event_log, raw_subject, raw)
+                raw_time = await _time_raw(event_log, raw_subjects, raw)
                 if not ours_first:
                     ours, claim = await _time_ours(event_log, events)
                 claim_checked |= claim
