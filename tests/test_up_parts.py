@@ -158,3 +158,123 @@ def test_the_live_view_renders_a_run():
     text = console.export_text()
     for expected in ("version", "2 / 10", "staleness", "patches 20 B vs full checkpoints 2.0 KB", "reward"):
         assert expected in text
+
+
+# ---------------------------------------------------------------- the stall watchdog
+
+
+def test_the_watchdog_fires_after_the_stall_time_and_names_what_is_stuck(tmp_path):
+    import sys
+
+    from workers.up.monitor import ServiceHealth
+    from workers.up.supervisor import Supervisor, WorkerSpec
+    from workers.up.watchdog import StallWatchdog
+
+    state = _state_with({1: [[1.0]]})
+    bus, store = ServiceHealth("the bus (nats)"), ServiceHealth("the blob store (S3)")
+    watchdog = StallWatchdog(stall_after_s=0.5)
+    t = 1000.0
+    assert watchdog.check(state, None, bus, store, now=t) is None
+    assert watchdog.check(state, None, bus, store, now=t + 0.4) is None  # not yet the stall time
+    stall = watchdog.check(state, None, bus, store, now=t + 0.6)
+    assert stall is not None and watchdog.fired == 1
+    assert stall.line().startswith("STALLED: no new policy version for 1s (head v1): no trajectories for 1s")
+
+    # Trajectories arrive, rewards do not: the reward worker is named.
+    state.add_trajectory("island0-bf16", "bf16")
+    watchdog.check(state, None, bus, store, now=t + 0.7)
+    stall = watchdog.check(state, None, bus, store, now=t + 1.0)
+    assert stall.causes == ("no rewards for 1s while trajectories arrive: the reward worker",)
+
+    # The bus is down and a worker is in its restart backoff: both named, first.
+    bus.saw(False, "ConnectionRefusedError")
+    supervisor = Supervisor(tmp_path, backoff_initial_s=3600)
+    worker = supervisor.add(WorkerSpec("trainer", [sys.executable, "-c", "print('sprawl: error: lost'); exit(3)"], {}))
+    worker.process.wait()
+    supervisor.poll()
+    assert worker.state == "backoff"
+    stall = watchdog.check(state, supervisor, bus, store, now=t + 1.4)
+    assert (
+        stall.causes[0].startswith("the bus (nats) is unreachable (for ")
+        and "ConnectionRefusedError" in stall.causes[0]
+    )
+    assert stall.causes[1] == "trainer is restarting (0 restarts, last exit 3: sprawl: error: lost)"
+    assert watchdog.fired == 1  # the same stall, with new causes
+
+    # A new version ends the stall; the next one counts again.
+    state.versions[2] = VersionRecord(2, 2, 2.0, 10, 10, 1000, 8, [])
+    assert watchdog.check(state, supervisor, bus, store, now=t + 1.2) is None
+    assert watchdog.check(state, supervisor, bus, store, now=t + 1.8).head == 2 and watchdog.fired == 2
+    supervisor.stop()
+
+
+def test_the_live_view_shows_an_outage_and_a_stall():
+    from workers.up.live_view import progress_line
+    from workers.up.monitor import ServiceHealth
+    from workers.up.watchdog import Stall
+
+    state = _state_with({1: [[1.0]]})
+    bus, store = ServiceHealth("the bus (nats)"), ServiceHealth("the blob store (S3)")
+    bus.saw(False, "gone")
+    stall = Stall(301.0, 1, ("the bus (nats) is unreachable (for 40s: gone)",))
+    console = Console(width=200, record=True)
+    console.print(render(state, None, phase="training", target=10, services=[bus, store], stall=stall))
+    text = console.export_text()
+    assert "the bus (nats): UNREACHABLE for" in text and "the blob store (S3): up" in text
+    assert "STALLED: no new policy version for 301s (head v1): the bus (nats) is unreachable" in text
+    line = progress_line(state, phase="training", target=10, services=[bus, store], stall=stall)
+    assert "the bus (nats) UNREACHABLE for" in line and "STALLED" in line
+
+
+# ---------------------------------------------------------------- the warm-up, in a child process
+
+
+def _processes_with(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                state = (entry / "stat").read_text().split(") ", 1)[1][0]
+            except (OSError, IndexError):
+                continue
+            if text in cmdline and state != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+async def test_the_warm_up_runs_in_a_child_on_the_thread_budget_and_is_cached(tmp_path):
+    from workers.up.options import TaskSettings
+    from workers.up.warmup import warm_up
+
+    task = TaskSettings(digits=1, warmup_steps=3, warmup_batch=4)
+    steps: list[tuple[int, int]] = []
+    env = dict(os.environ)
+    model_dir = await warm_up(tmp_path, task, threads=1, env=env, on_step=lambda s, n, loss: steps.append((s, n)))
+    assert steps == [(1, 3), (2, 3), (3, 3)]
+    assert (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists()
+    again: list[int] = []
+    assert await warm_up(tmp_path, task, threads=1, env=env, on_step=lambda *a: again.append(1)) == model_dir
+    assert again == []  # from the cache, no child
+
+
+async def test_a_cancelled_warm_up_stops_its_child(tmp_path):
+    import asyncio
+
+    from tests.servers import HANG_GUARD_S
+    from workers.up.options import TaskSettings
+    from workers.up.warmup import warm_up
+
+    first_step = asyncio.Event()
+    task = TaskSettings(digits=1, warmup_steps=10**6, warmup_batch=4)
+    env = dict(os.environ) | {"OMP_NUM_THREADS": "8"}  # what `up` might be started with
+    warming = asyncio.create_task(warm_up(tmp_path, task, threads=1, env=env, on_step=lambda *a: first_step.set()))
+    await asyncio.wait_for(first_step.wait(), HANG_GUARD_S)
+    children = _processes_with(f"workers.up.warmup {tmp_path}")
+    assert len(children) == 1
+    environ = Path(f"/proc/{children[0]}/environ").read_bytes().split(b"\0")
+    assert b"OMP_NUM_THREADS=1" in environ and b"MKL_NUM_THREADS=1" in environ  # the workers' budget
+    warming.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(warming, HANG_GUARD_S)
+    assert _processes_with(f"workers.up.warmup {tmp_path}") == []
