@@ -295,3 +295,107 @@ async def test_up_in_process_trains_a_mixed_fleet_for_a_few_versions(event_log, 
     await _check_islands_materialized(settings, up.run_id, up.state_dir)
     report = await _archive_and_report(up, loaded["archiver"], run_dir, _Output(json_output=True))
     assert report is not None and Path(report).read_text().startswith("<!doctype html>")
+
+
+# ---------------------------------------------------------------- stopping during the warm-up
+
+
+def _up_in_warm_up(settings) -> subprocess.Popen:
+    """`sprawl up` with a warm-up far too long to finish; returns once its warm-up child runs."""
+    env = _env(settings) | {"SPRAWL_TASK__WARMUP_STEPS": "1000000", "SPRAWL_TASK__DIGITS": "1"}
+    options = ["--json", "--no-live", "--fresh", "--state-dir", str(settings.state_dir)]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "workers.cli", "up", *options],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for(lambda: _commands_with(f"workers.up.warmup {settings.state_dir}"), process, "no warm-up started")
+    except BaseException:
+        process.kill()
+        process.communicate()
+        raise
+    return process
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("sig", "code"), [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)]
+)
+def test_a_signal_during_the_warm_up_stops_everything_cleanly(up_stack, sig, code):
+    from tests.servers import HANG_GUARD_S
+
+    process = _up_in_warm_up(up_stack)
+    try:
+        process.send_signal(sig)
+        stdout, stderr = process.communicate(timeout=HANG_GUARD_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == code, stderr[-4000:]
+    assert "Traceback" not in stderr and "terminate called" not in stderr, stderr[-4000:]
+    assert f"stopped by {sig.name} during warm-up: every worker stopped, the stack stopped" in stderr
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["interrupted"] is True and summary["stopped_by"] == sig.name and summary["phase"] == "warm-up"
+    assert _commands_with(f"workers.up.warmup {up_stack.state_dir}") == {}
+    assert stack.status(up_stack) is None and stack.dead_servers(up_stack) == []  # `up` started it, so stopped it
+
+
+# ---------------------------------------------------------------- the monitor across a nats-server restart
+
+
+@pytest.mark.integration
+async def test_the_monitor_counts_on_from_where_it_was_after_a_nats_restart(tmp_path):
+    from pipeline.blobstore import S3BlobStore
+    from pipeline.topology import PROMPTS
+    from tests.servers import HANG_GUARD_S, auto_stack_settings
+    from workers.up.demo_task import prompt_group
+    from workers.up.monitor import RunMonitor
+    from workers.up.options import TaskSettings
+
+    settings = auto_stack_settings(tmp_path / "state", run_id=new_run_id())
+    settings = stack.with_endpoints(settings, stack.up(settings))
+    event_log = None
+    monitor = None
+
+    async def until(condition, what: str) -> None:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def publish(indices) -> None:
+        for index in indices:
+            group = prompt_group(settings.run_id, index, TaskSettings(), n_samples=2, top_p=1.0, top_logprobs=1)
+            await event_log.append(group)
+
+    try:
+        from infra.streams import apply
+
+        event_log = await EventLog.connect(settings, worker="test-monitor")
+        await apply(event_log.js, settings.streams, settings.run_id)
+        monitor = RunMonitor(event_log, S3BlobStore(settings.blobs), settings.run_id, probe_every_s=0.2)
+        monitor.start([PROMPTS.name])
+        await publish(range(5))
+        await until(lambda: monitor.positions.get(PROMPTS.name) == 5, "the first five prompts were never read")
+        assert monitor.state.prompts_published == 5
+
+        nats = stack.status(settings).server("nats")
+        os.kill(nats.pid, signal.SIGKILL)
+        os.waitpid(nats.pid, 0)
+        await until(lambda: not monitor.bus.up, "the bus outage was never seen")  # a state the live view shows
+        repaired = await asyncio.to_thread(stack.up, settings)  # nats again, on its port, from its store
+        assert any(a.startswith("restarted nats-server") for a in repaired.actions)
+        await until(lambda: monitor.bus.up, "the bus was never seen again")
+        await publish(range(5, 8))
+        await until(lambda: monitor.positions.get(PROMPTS.name) == 8, "the prompts after the restart were never read")
+        # Read from the start again, the first five would be counted twice on the way to the eighth.
+        assert monitor.state.prompts_published == 8
+    finally:
+        if monitor is not None:
+            await monitor.stop()
+        if event_log is not None:
+            await event_log.close()
+        stack.down(settings)
