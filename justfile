@@ -9,7 +9,7 @@ default:
 up *ARGS:
     sprawl up {{ARGS}}
 
-# the local stack only, in the background (stop it with `just down`)
+# the local stack only, in the background; on a half-dead stack it restarts only the dead server (stop it with `just down`)
 stack:
     sprawl stack up
 
