@@ -47,7 +47,7 @@ async def fetch_version(event_log: EventLog, run_id: str, version: int) -> Polic
         msg = await event_log.js.get_last_msg(POLICY.name, policy_subject(run_id, version))
     except nats.js.errors.NotFoundError:
         return None
-    event = await event_log.resolve(msg.data)
+    event = await event_log.resolve(msg.data, subject=msg.subject)  # a body naming another version is poison
     if not isinstance(event, PolicyVersion) or event.version != version:
         raise SprawlError(
             f"subject {policy_subject(run_id, version)} holds {type(event).__name__}, not version {version}"

@@ -18,7 +18,14 @@ import torch
 from pipeline.config import MaterializeSettings
 from pipeline.materialize import Backoff, RouteFailures, verify_directory
 from schemas import VersionConstraint
-from tests.chain_helpers import CorruptingBlobStore, expected_root, patch_key, publisher, republish_object
+from tests.chain_helpers import (
+    CorruptingBlobStore,
+    corrupt_object,
+    expected_root,
+    patch_key,
+    publisher,
+    republish_object,
+)
 from tests.servers import HANG_GUARD_S
 from tests.tiny_models import adam_like_step, tiny_moe
 from workers.sampler.engines.reference import ReferenceEngine
@@ -235,5 +242,25 @@ async def test_an_island_started_after_a_corrupt_patch_serves_the_newest_keyfram
             assert await island.advance(6) == 4
         assert island.materializer.failures.by_blob == {after_keyframe: 1}
         _assert_every_served_version_is_the_logs(island, chain)
+    finally:
+        await island.stop()
+
+
+@pytest.mark.integration
+async def test_an_island_that_can_build_nothing_refuses_and_says_why(event_log, settings, tmp_path):
+    chain = Chain(event_log, settings, lambda _key: False, keyframe_every=100)
+    await chain.publish_to(1)
+    shard = next(b for b in chain.events[0].views[0].blobs if b.name.endswith(".safetensors"))
+    corrupt_object(chain.blobs, shard.uri)  # the only keyframe: no version can be verified
+    island = await _island(event_log, settings, tmp_path, first_s=3600.0)
+    try:
+        for _ in range(3):  # each request is refused at once; the keyframe is not fetched again
+            with pytest.raises(VersionUnreachable, match="corrupt after a refetch") as refused:
+                await island.ensure_version(None)
+            assert refused.value.current is None
+        assert island.materializer.failures.by_blob == {shard.uri: 1}
+        assert island.version is None and island.state == "starting" and island.blocked.head == 1
+        ready = await Sidecar(island).readyz(None)
+        assert ready.status == 503
     finally:
         await island.stop()
