@@ -180,10 +180,10 @@ class IslandIdentity(Component, kw_only=True):
     """The sampler group (e.g. `fp8-h100`): metrics like KL are reported per group."""
 
 
-PER_OUTPUT_TOKEN = "One entry per output token: as long as output_token_ids"
-# Rules between fields that JSON Schema cannot state: the decoder enforces them (a trajectory that breaks
-# one would crash the trainer's whole batch, so it must be dead-lettered at decode instead), and the
-# exported schema states them in the descriptions.
+def _per_output_token(unless: str) -> msgspec.Meta:
+    # A rule between fields JSON Schema cannot state: the decoder enforces it (a trajectory that breaks it
+    # would crash the trainer's whole batch, so it is dead-lettered at decode instead); the schema says it.
+    return msgspec.Meta(description=f"{unless}one entry per output token (checked by the decoder).")
 
 
 class Trajectory(Event, kw_only=True, tag="trajectory.v1"):
@@ -200,30 +200,26 @@ class Trajectory(Event, kw_only=True, tag="trajectory.v1"):
     task: NonEmpty
     prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
     output_token_ids: list[TokenId]
-    logprobs: Annotated[list[float], msgspec.Meta(description=f"{PER_OUTPUT_TOKEN} (checked by the decoder).")]
+    logprobs: Annotated[list[float], _per_output_token("")]
     """Sampler logprob of each output token under the processed (temperature, top-p) distribution."""
-    raw_logprobs: Annotated[list[float], msgspec.Meta(description=f"Empty, or {PER_OUTPUT_TOKEN.lower()}.")] = []
+    raw_logprobs: Annotated[list[float], _per_output_token("Empty, or ")] = []
     """The same tokens under the engine's unprocessed distribution (temperature 1, no truncation)."""
     finish_reason: Literal["stop", "length", "abort"]
     version_spans: list[VersionSpan]
     island: IslandIdentity
     sampling: SamplingParams = SamplingParams()
-    top_logprob_ids: Annotated[
-        list[list[TokenId]], msgspec.Meta(description=f"Empty, or {PER_OUTPUT_TOKEN.lower()}.")
-    ] = []
+    top_logprob_ids: Annotated[list[list[TokenId]], _per_output_token("Empty, or ")] = []
     """Per output token: ids of the top-k tokens of the sampling distribution."""
     top_logprobs: Annotated[
         list[list[float]],
-        msgspec.Meta(description="Empty, or one row per top_logprob_ids row, of the same length."),
+        msgspec.Meta(description="The shape of top_logprob_ids: its rows, each as long (checked by the decoder)."),
     ] = []
     """Per output token: their logprobs, unrenormalized."""
-    top_p_kept_ids: Annotated[
-        list[list[TokenId]] | None, msgspec.Meta(description=f"Null, empty, or {PER_OUTPUT_TOKEN.lower()}.")
-    ] = None
+    top_p_kept_ids: Annotated[list[list[TokenId]] | None, _per_output_token("Null, empty, or ")] = None
     """Per output token: the kept set the token was sampled from (top-p mask replay)."""
     routed_experts: list[list[list[Count]]] | None = None
     """Per token, per MoE layer: the routed expert ids (routing replay)."""
-    loss_mask: Annotated[list[MaskBit] | None, msgspec.Meta(description=f"Null, or {PER_OUTPUT_TOKEN.lower()}.")] = None
+    loss_mask: Annotated[list[MaskBit] | None, _per_output_token("Null, or ")] = None
     """Per output token, 1 if the trainer learns from it (multi-turn: 0 for tool output)."""
     text: str = ""
     group_size: Count = 0
@@ -232,15 +228,17 @@ class Trajectory(Event, kw_only=True, tag="trajectory.v1"):
     def __post_init__(self) -> None:
         super().__post_init__()
         out = len(self.output_token_ids)
-        per_token: dict[str, int | None] = {
-            "logprobs": len(self.logprobs),
-            "raw_logprobs": len(self.raw_logprobs) or None,
-            "top_logprob_ids": len(self.top_logprob_ids) or None,
-            "top_logprobs": len(self.top_logprobs) or None,
-            "top_p_kept_ids": len(self.top_p_kept_ids) or None if self.top_p_kept_ids is not None else None,
-            "loss_mask": len(self.loss_mask) if self.loss_mask is not None else None,
+        lengths = {"logprobs": len(self.logprobs)}
+        may_be_empty = {
+            "raw_logprobs": self.raw_logprobs,
+            "top_logprob_ids": self.top_logprob_ids,
+            "top_logprobs": self.top_logprobs,
+            "top_p_kept_ids": self.top_p_kept_ids,
         }
-        wrong = {name: n for name, n in per_token.items() if n is not None and n != out}
+        lengths |= {name: len(values) for name, values in may_be_empty.items() if values}
+        if self.loss_mask is not None:
+            lengths["loss_mask"] = len(self.loss_mask)
+        wrong = {name: n for name, n in lengths.items() if n != out}
         if wrong:
             raise ValueError(f"trajectory {self.trajectory_id}: {wrong} entries for {out} output tokens")
         if len(self.top_logprob_ids) != len(self.top_logprobs) or any(

@@ -26,9 +26,10 @@ DIALECT = "https://json-schema.org/draft/2020-12/schema"
 """msgspec writes Draft 2020-12 (`$defs`, `prefixItems`); saying so lets a generic validator pick the dialect."""
 
 EVENT_NOTE = (
-    "Every constraint the decoder enforces is in this schema, except where a description says 'checked by "
-    "the decoder' (rules between fields) and one rule of JSON itself: write integers without a fraction "
-    "(1, not 1.0); JSON Schema counts 1.0 as an integer, the decoder does not. Unknown fields are ignored."
+    "Every constraint the decoder enforces is in this schema, except the rules between fields that a "
+    "description marks '(checked by the decoder)', and two about numbers: write integers without a fraction "
+    "(1, not 1.0: JSON Schema counts 1.0 as an integer, the decoder does not), and no number beyond a 64-bit "
+    "float. Unknown fields are ignored (evolution is additive)."
 )
 """What a client in another language needs to know beyond the schema (tests/test_schema_contract.py pins it)."""
 

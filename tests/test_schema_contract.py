@@ -262,23 +262,20 @@ def _huge_numbers_as_zero(doc: Doc) -> Doc:
 
 
 def _per_token_arrays_trimmed(doc: Doc) -> Doc:
-    """The trajectory with every per-token array cut or padded to its output length (row widths matched)."""
+    """The trajectory with every per-token array cut or padded to its output length (top-k rows paired)."""
     out = len(doc["output_token_ids"])
     fixed = copy.deepcopy(doc)
     fixed["logprobs"] = (doc["logprobs"] + [0.0] * out)[:out]
-    for name, filler in (("raw_logprobs", 0.0), ("top_logprob_ids", []), ("top_logprobs", []), ("top_p_kept_ids", [])):
+    for name, filler in (("raw_logprobs", 0.0), ("top_p_kept_ids", [])):
         if fixed.get(name):
             fixed[name] = (fixed[name] + [filler] * out)[:out]
     if fixed.get("loss_mask") is not None:
         fixed["loss_mask"] = (fixed["loss_mask"] + [1] * out)[:out]
     ids, lps = fixed.get("top_logprob_ids", []), fixed.get("top_logprobs", [])
     if ids or lps:
-        fixed["top_logprob_ids"] = [
-            (ids[i] if i < len(ids) else [])[: len(lps[i]) if i < len(lps) else 0] for i in range(out)
-        ]
-        fixed["top_logprobs"] = [
-            (lps[i] if i < len(lps) else [])[: len(fixed["top_logprob_ids"][i])] for i in range(out)
-        ]
+        rows = [(ids[i] if i < len(ids) else [], lps[i] if i < len(lps) else []) for i in range(out)]
+        fixed["top_logprob_ids"] = [i[: min(len(i), len(p))] for i, p in rows]
+        fixed["top_logprobs"] = [p[: min(len(i), len(p))] for i, p in rows]
     return fixed
 
 

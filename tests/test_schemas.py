@@ -369,3 +369,28 @@ def test_archive_dates_are_utc_days_and_globs_match_the_keys():
     assert fnmatch.fnmatchcase(KEY.to_key(), parquet_glob("r1"))
     assert fnmatch.fnmatchcase(KEY.to_key(), parquet_glob("r1", "trajectory.v1", "trajectories"))
     assert not fnmatch.fnmatchcase(KEY.to_key(), parquet_glob("r1", stream="rewards"))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("logprobs", [-0.1]), ("loss_mask", [1]), ("raw_logprobs", [-0.1]), ("top_logprobs", [[-0.1], [-2.0]])],
+)
+def test_a_producer_cannot_construct_a_trajectory_whose_arrays_miss_tokens(field, value):
+    fields = {
+        "run_id": "r1",
+        "trajectory_id": "t1",
+        "group_id": "g1",
+        "sample_index": 0,
+        "task": "arith",
+        "prompt_token_ids": [1, 2],
+        "output_token_ids": [3, 4],
+        "logprobs": [-0.1, -2.0],
+        "finish_reason": "stop",
+        "version_spans": [VersionSpan(version=4, start=0, end=2)],
+        "island": ISLAND,
+        "top_logprob_ids": [[3, 9], [4, 8]],
+        "top_logprobs": [[-0.1, -3.0], [-2.0, -2.5]],
+    }
+    assert Trajectory(**fields).output_token_ids == [3, 4]
+    with pytest.raises(ValueError, match="trajectory t1"):
+        Trajectory(**(fields | {field: value}))
