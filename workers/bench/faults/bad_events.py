@@ -238,7 +238,7 @@ async def watch(event_log: EventLog, published: list[Published], guard_s: float)
                 outcomes[p.forged.cls] = BadEventOutcome(
                     p.forged.cls,
                     "dead_letter",
-                    round((letter.stored_at - p.at).total_seconds(), 1),
+                    round((letter.stored_at - p.at).total_seconds(), 2),
                     f"{dead.error_class}: {dead.reason[:200]} (consumer {dead.consumer})",
                 )
                 continue
