@@ -47,7 +47,7 @@ class Kind(StrEnum):
 def token(value: str, what: str) -> str:
     """Validate one subject token; ids become tokens, so a dot or space would split or break a subject."""
     lowered = value.lower()
-    if not _TOKEN.match(lowered):
+    if not _TOKEN.fullmatch(lowered):  # fullmatch: `$` alone would accept a trailing newline
         raise ValueError(
             f"{what} {value!r} cannot be a subject token: use letters, digits, '_' or '-' "
             "(no dots, spaces or wildcards)"
