@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from pipeline.blobstore import S3BlobStore
 from pipeline.config import MaterializeSettings
 from pipeline.materialize import Backoff, RouteFailures, verify_directory
 from schemas import VersionConstraint
@@ -26,7 +27,7 @@ from tests.chain_helpers import (
     publisher,
     republish_object,
 )
-from tests.servers import HANG_GUARD_S
+from tests.servers import HANG_GUARD_S, free_port
 from tests.tiny_models import adam_like_step, tiny_moe
 from workers.sampler.engines.reference import ReferenceEngine
 from workers.sampler.island import Island, IslandSection, VersionUnreachable
@@ -105,15 +106,17 @@ class Chain:
         return self.events[version].views[0].root_hash
 
 
-async def _island(event_log, settings, cache_dir, *, first_s: float, max_s: float = 3600.0, jitter: float = 0.0):
+async def _island(
+    event_log, settings, cache_dir, *, first_s: float, max_s: float = 3600.0, jitter: float = 0.0, blobs=None
+):
     section = IslandSection(
         island_id="corrupt-patch",
         poll_interval_s=0.2,
         materialize=MaterializeSettings(cache_dir=cache_dir),
         route_retry=RouteRetrySection(first_s=first_s, max_s=max_s, jitter=jitter),
     )
-    island = Island(event_log, CorruptingBlobStore(settings.blobs, lambda _key: False), ReferenceEngine(),
-                    run_id=settings.run_id, settings=section)  # fmt: skip
+    blobs = blobs or S3BlobStore(settings.blobs)
+    island = Island(event_log, blobs, ReferenceEngine(), run_id=settings.run_id, settings=section)
     await island.start(follow=True)
     return island
 
@@ -262,5 +265,26 @@ async def test_an_island_that_can_build_nothing_refuses_and_says_why(event_log, 
         assert island.version is None and island.state == "starting" and island.blocked.head == 1
         ready = await Sidecar(island).readyz(None)
         assert ready.status == 503
+    finally:
+        await island.stop()
+
+
+@pytest.mark.integration
+async def test_a_store_that_does_not_answer_is_retried_with_growing_waits(event_log, settings, tmp_path):
+    chain = Chain(event_log, settings, lambda _key: False, keyframe_every=100)
+    await chain.publish_to(0)
+    nobody = settings.blobs.model_copy(update={"endpoint_url": f"http://127.0.0.1:{free_port()}", "max_attempts": 1})
+    island = await _island(event_log, settings, tmp_path, first_s=0.05, max_s=0.2, blobs=S3BlobStore(nobody))
+    try:
+        await _until(island, lambda: island.follow_failures >= 4, "four failed rounds")
+        failure = island.follow_failure
+        assert failure is not None and "BlobStoreUnavailable" in failure.error
+        assert failure.delay_s == pytest.approx(min(0.2, 0.05 * 2 ** (failure.failures - 1)))
+        # an outage is no verdict on the blobs: nothing was set aside, and serving starts once it ends
+        assert island.materializer.failures.total == 0 and island.version is None
+        island.materializer.blobs = S3BlobStore(settings.blobs)  # the store is back
+        await _until(island, lambda: island.version == 0, "serving once the store answers")
+        assert island.follow_failure is None and island.state == "serving"
+        _assert_every_served_version_is_the_logs(island, chain)
     finally:
         await island.stop()

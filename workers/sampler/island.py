@@ -91,6 +91,17 @@ class Blocked:
 
 
 @dataclass(frozen=True)
+class FollowFailure:
+    """Why following the chain last failed (the log, the store or the engine), and the wait before the
+    next try."""
+
+    error: str
+    failures: int
+    """Failures in a row."""
+    delay_s: float
+
+
+@dataclass(frozen=True)
 class CommitRecord:
     version: int
     committed_at: float
@@ -154,6 +165,10 @@ class Island:
         self.head: int | None = None
         self.blocked: Blocked | None = None
         """Set while the head cannot be built and an older version is served (or none yet)."""
+        self.follow_failure: FollowFailure | None = None
+        """Set while following the chain fails; cleared by the next round that works."""
+        self.follow_failures = 0
+        """Rounds of following that failed, over the island's life (a metric)."""
         self.capabilities: Capabilities | None = None
         self.state = "starting"
         self._commit_lock = asyncio.Lock()
@@ -213,12 +228,14 @@ class Island:
                     self.head = head.version if self.head is None else max(self.head, head.version)
                     if self.version is None or self.version < head.version:
                         await self.advance(head.version)
-                failures = 0
+                failures, self.follow_failure = 0, None
             except (SprawlError, EngineError, nats.errors.Error, OSError) as exc:
                 # The log, the blob store or the engine failed. Wait out a backoff that a wake-up does not
                 # cut short: with a version a second, retrying on every wake-up was a hot loop.
                 failures += 1
+                self.follow_failures += 1
                 delay = self.backoff.delay(failures, rng)
+                self.follow_failure = FollowFailure(repr(exc), failures, delay)
                 log.warning(
                     "following the chain failed; will retry", error=repr(exc), failures=failures, retry_in_s=delay
                 )
