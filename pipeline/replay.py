@@ -175,7 +175,8 @@ class Follower:
         self.next_seq = max(start_seq, 1)
         """The first stream sequence the reader has not taken yet; where a re-created consumer starts."""
         self.recreated = 0
-        """How often the consumer was lost and created again (the first creation does not count)."""
+        """How often the consumer was created again, after a loss or an outage (the first creation does not count)."""
+        self._created_once = False
         self.down_since: float | None = None
         """Monotonic time since which the log has not answered; None while it answers."""
         self._sub = None
@@ -311,6 +312,8 @@ class Follower:
             await self.log.js.delete_consumer(self.stream, self.name)
         await self.log.js.add_consumer(self.stream, config)
         self._sub = await self.log.js.pull_subscribe_bind(durable=self.name, stream=self.stream)
+        self.recreated += self._created_once
+        self._created_once = True
         self._consumer_seq = 0
         self._suspect = False
         log.info("follower consumer created", stream=self.stream, consumer=self.name, from_seq=self.next_seq)
@@ -323,7 +326,6 @@ class Follower:
             reason=reason,
             from_seq=self.next_seq,
         )
-        self.recreated += 1
         await self._drop_consumer(delete=False)
 
     async def _drop_consumer(self, *, delete: bool) -> None:

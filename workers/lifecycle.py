@@ -100,3 +100,15 @@ async def _cancelled(task: asyncio.Future) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
+
+
+async def end_guards(guards: Iterable[asyncio.Task]) -> None:
+    """Cancel the guards that still run and wait for all of them. A guard's error was raised already
+    (by `run_guarded`, as WorkerPartFailed), or the work's own error is on its way out: it is not
+    raised again here, so it cannot replace the error that says why the worker stops."""
+    guards = list(guards)
+    for guard in guards:
+        guard.cancel()
+    for guard in guards:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await guard

@@ -12,7 +12,6 @@ goes to S3, blob first, then a checkpoint event.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import socket
 import time
@@ -41,7 +40,7 @@ from pipeline.topology import (
     trajectories_filter,
 )
 from schemas import GroupDropped, Reward, TrainerMetrics, Trajectory
-from workers.lifecycle import run_connected, run_guarded
+from workers.lifecycle import end_guards, run_connected, run_guarded
 from workers.trainer.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
 from workers.trainer.recovery import batch_from_lineage, check_rederived, put_lineage, root_hashes
 from workers.trainer.settings import TrainerSettings
@@ -248,11 +247,7 @@ class Trainer:
             await run_guarded(self._train(stop), guards)
         finally:
             feeds_stop.set()  # the feeds end on this even if a cancellation is lost inside a fetch
-            for task in guards:
-                task.cancel()
-            for task in guards:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await end_guards(guards)
             if self.publisher is not None:
                 self.publisher.close()
 
