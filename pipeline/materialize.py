@@ -161,9 +161,11 @@ class RouteFailures:
             return sorted(self._open.values(), key=lambda f: (f.version, f.part))
 
     def retry_in_s(self, lowest: int = 0, highest: int | None = None) -> float | None:
-        """Seconds until the first set-aside part (producing a version in range) may be tried again."""
+        """Seconds until the next set-aside part (producing a version in range) may be tried again; None
+        when none is waiting (a part whose backoff has passed but that no plan uses is nothing to wait
+        for: waking for it would be a busy loop)."""
         now = self._clock()
-        waits = [max(0.0, f.retry_at - now) for f in self.open() if _within(f.version, lowest, highest)]
+        waits = [f.retry_at - now for f in self.open() if f.retry_at > now and _within(f.version, lowest, highest)]
         return min(waits, default=None)
 
     def reasons(self, lowest: int = 0, highest: int | None = None) -> list[str]:

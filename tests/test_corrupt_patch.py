@@ -58,7 +58,7 @@ def test_a_failed_part_is_set_aside_until_its_backoff_passes_and_cleared_when_it
     assert not failures.usable(part) and failures.usable(("patch", 4, 5))
     assert failures.retry_in_s() == 2.0 and failures.retry_in_s(5, 9) is None
     now[0] += 2.0
-    assert failures.usable(part)
+    assert failures.usable(part) and failures.retry_in_s() is None  # nothing left to wait for
     assert [failures.record(part, blob="s3://b/p4", reason="corrupt").delay_s for _ in range(3)] == [4.0, 5.0, 5.0]
     assert failures.total == 4 and failures.by_blob == {"s3://b/p4": 4}
     assert failures.reasons(4, 4) == ["patch v3->v4: corrupt"]
