@@ -374,7 +374,10 @@ async def _train(
             stall = watchdog.check(state, supervisor, monitor.bus, monitor.store)
             if state.head is not None and monitor.bus.up:  # publishing to an absent bus would only wait
                 progress.phase = "training"
-                await signals.until_stopped(driver.top_up(state.trained_groups(), stop_after), progress.phase)
+                try:
+                    await signals.until_stopped(driver.top_up(state.trained_groups(), stop_after), progress.phase)
+                except Stopped:
+                    break  # the workers are stopped below, and the run summarized
             if trainer.finished:
                 break
             for worker in supervisor.workers.values():
