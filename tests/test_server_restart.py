@@ -22,6 +22,7 @@ from pipeline.errors import StackError, WorkerPartFailed
 from pipeline.eventlog import EventLog
 from pipeline.lease import LeaseLost
 from pipeline.log_lookup import count_subjects
+from pipeline.logs import configure_logging
 from pipeline.replay import Follower, replay
 from pipeline.topology import DEADLETTER, METRICS, PROMPTS, REWARDS, TRAINER, TRAJECTORIES, follower_name
 from pipeline.version_log import fetch_version
@@ -68,15 +69,17 @@ def own_stack(tmp_path):
 
 
 def _kill_nats(settings) -> None:
-    """SIGKILL the stack's nats-server (our child: reaped, so /proc forgets it)."""
+    """SIGKILL the stack's nats-server and wait until it is reaped (a dying process loses its command
+    line before it closes its sockets, so only the reaped one has surely let go of its port)."""
     record = next(s for s in stack.status(settings).servers if s.name == "nats")
     os.kill(record.pid, signal.SIGKILL)
-    deadline = time.monotonic() + HANG_GUARD_S
-    while stack._pid_alive(record.pid, "nats-server"):
-        assert time.monotonic() < deadline, "nats-server survived SIGKILL"
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(record.pid, os.WNOHANG)
-        time.sleep(0.05)
+    try:
+        os.waitpid(record.pid, 0)  # our child: stack.up started it
+    except ChildProcessError:  # someone else's: gone once /proc forgets it
+        deadline = time.monotonic() + HANG_GUARD_S
+        while os.path.exists(f"/proc/{record.pid}"):
+            assert time.monotonic() < deadline, "nats-server survived SIGKILL"
+            time.sleep(0.05)
     assert [s.name for s in stack.dead_servers(settings)] == ["nats"]
 
 
@@ -159,6 +162,7 @@ def _outage_warnings(text: str) -> list[dict]:
 async def test_trainer_and_reward_worker_resume_after_a_restart_and_a_60s_outage(own_stack, model_dir, capsys):
     settings = own_stack
     run = settings.run_id
+    configure_logging("tests", fmt="json", level="WARNING")  # as the session stack does: JSON lines on stderr
     event_log = await EventLog.connect(settings, worker="test-outage")
     await apply(event_log.js, settings.streams, run)
     groups = make_groups(model_dir, run, 6)
@@ -220,7 +224,9 @@ async def test_trainer_and_reward_worker_resume_after_a_restart_and_a_60s_outage
     assert len(feed_warnings) >= 3, warnings
     assert max(w["down_s"] for w in feed_warnings) >= OUTAGE_S / 2
     assert trainer.feeds[TRAJECTORIES.name].down_since is None and worker.prompt_feed.down_since is None
-    assert trainer.feeds[TRAJECTORIES.name].recreated >= 2 and trainer.feeds[REWARDS.name].recreated >= 2
+    # After the outage at least, each feed follows a consumer created again from its own position (after the
+    # quick restart the file-stored consumer may have survived, and been followed on).
+    assert trainer.feeds[TRAJECTORIES.name].recreated >= 1 and trainer.feeds[REWARDS.name].recreated >= 1
     assert rewarding.result() is None
 
     # Every group trained once, in the order it completed; one reward per trajectory; nothing dropped.
