@@ -23,3 +23,4 @@ async def test_fault_loses_nothing_counts_nothing_twice_and_recovers(fault, tmp_
     assert "archive_drain_failed" not in result.details, result.details
     assert "islands_not_serving_log_bits" not in result.details, result.details
     assert result.recovery_s is not None, result.details
+    assert result.details["loop_recovery_s"] is not None, result.details  # samples taken after it were trained on

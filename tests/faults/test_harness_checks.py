@@ -9,7 +9,7 @@ import msgspec
 from schemas.lineage import Lineage, LineageGroup, LineageMember
 from tests.events import policy_version, reward, trajectory
 from workers.bench.faults.bad_events import subject_matches
-from workers.bench.faults.invariants import judge_log_and_archive, recovery_seconds
+from workers.bench.faults.invariants import judge_log_and_archive, loop_recovery_seconds, recovery_seconds
 from workers.bench.faults.ledger import ArchivedRow, LoggedMessage
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -98,3 +98,9 @@ def test_subject_matching_follows_nats_wildcards():
     assert not subject_matches("rl.r.traj.>", "rl.r.traj")
     assert subject_matches("rl.*.prompts", "rl.r.prompts")
     assert not subject_matches("rl.r.prompts", "rl.r.prompts.x")
+
+
+def test_loop_recovery_needs_a_version_trained_on_a_trajectory_sampled_after_the_fault():
+    scan, _, lineages = _clean()  # v1 (stored at +5 s) trained on trajectories at seqs 1 and 2
+    assert loop_recovery_seconds(scan, lineages, T0, trajectory_mark=1) == 5.0
+    assert loop_recovery_seconds(scan, lineages, T0, trajectory_mark=2) is None

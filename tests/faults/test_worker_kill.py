@@ -24,4 +24,7 @@ async def test_sigkill_of_the_reward_worker_loses_nothing_and_training_resumes(t
     assert (result.lost, result.duplicated) == (0, 0), result.details
     assert "archive_count_differs_by_type" not in result.details, result.details
     assert "islands_not_serving_log_bits" not in result.details, result.details
-    assert result.recovery_s is not None, result.details  # a version was appended after the kill
+    assert result.recovery_s is not None, result.details
+    assert result.details["loop_recovery_s"] is not None, (
+        result.details
+    )  # samples taken after it were trained on  # a version was appended after the kill

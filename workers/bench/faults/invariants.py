@@ -122,6 +122,27 @@ def recovery_seconds(scan: dict[str, list[LoggedMessage]], fault_end: datetime) 
     return round((min(after) - fault_end).total_seconds(), 1) if after else None
 
 
+def loop_recovery_seconds(
+    scan: dict[str, list[LoggedMessage]], lineages: dict[int, Lineage], fault_end: datetime, trajectory_mark: int
+) -> float | None:
+    """Seconds from `fault_end` to the first version trained on a trajectory stored after the fault
+    (TRAJECTORIES sequence above `trajectory_mark`, the stream's last sequence when the fault ended):
+    the whole loop (prompt, sample, reward, update) went round again. None: it did not.
+
+    A version appended right after a fault may come from a batch assembled before it, so the next
+    version alone says little; this one cannot."""
+    after = [
+        m.stored_at
+        for m in scan.get("policy", [])
+        if isinstance(m.event, PolicyVersion)
+        and m.event.version in lineages
+        and any(
+            member.trajectory_seq > trajectory_mark for g in lineages[m.event.version].groups for member in g.members
+        )
+    ]
+    return round((min(after) - fault_end).total_seconds(), 1) if after else None
+
+
 # ---------------------------------------------------------------- islands
 
 

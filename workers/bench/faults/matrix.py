@@ -19,8 +19,14 @@ from pipeline.errors import SprawlError
 from pipeline.logs import get_logger
 from workers.bench.faults.bad_events import BadEventOutcome, effects, forge_all, publish, watch
 from workers.bench.faults.faults import Fault
-from workers.bench.faults.fleet import Fleet, FleetShape
-from workers.bench.faults.invariants import Findings, islands_serving, judge_log_and_archive, recovery_seconds
+from workers.bench.faults.fleet import LOG_TROUBLE, Fleet, FleetShape
+from workers.bench.faults.invariants import (
+    Findings,
+    islands_serving,
+    judge_log_and_archive,
+    loop_recovery_seconds,
+    recovery_seconds,
+)
 from workers.bench.faults.ledger import positions, read_lineages, scan_archive, scan_with_retries, versions_in
 
 log = get_logger(__name__)
@@ -49,14 +55,18 @@ class FaultResult:
             "lost": self.lost,
             "duplicated": self.duplicated,
             "recovery_s": self.recovery_s,
+            "loop_recovery_s": self.details.get("loop_recovery_s"),
             "details": self.details,
         }
 
     @property
     def meets_goals(self) -> bool:
         islands_ok = not self.details.get("islands_not_serving_log_bits")
+        loop_s = self.details.get("loop_recovery_s")
         return (
-            self.lost == 0
+            loop_s is not None
+            and loop_s <= RECOVERY_GOAL_S
+            and self.lost == 0
             and self.duplicated == 0
             and self.recovery_s is not None
             and self.recovery_s <= RECOVERY_GOAL_S
@@ -79,8 +89,55 @@ async def _head_after_fault(fleet: Fleet, guard_s: float) -> int:
     return head
 
 
+async def _trajectory_mark(fleet: Fleet, guard_s: float) -> int:
+    """The TRAJECTORIES stream's last sequence, once the log answers: what was sampled before now."""
+    from pipeline.topology import TRAJECTORIES
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + guard_s
+    while True:
+        try:
+            return (await fleet.event_log.js.stream_info(TRAJECTORIES.name)).state.last_seq
+        except LOG_TROUBLE:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+async def _wait_for_loop(fleet: Fleet, trajectory_mark: int, guard_s: float) -> bool:
+    """Until a version is trained on a trajectory sampled after `trajectory_mark`; False when `guard_s`
+    passed first (the loop stalled)."""
+    from pipeline.blobstore import open_blob_store
+    from pipeline.topology import POLICY
+    from workers.bench.faults.ledger import scan_stream
+
+    blobs = open_blob_store(fleet.settings.blobs)
+    checked: set[int] = set()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + guard_s
+    while loop.time() < deadline:
+        fleet.check_workers_alive()
+        try:
+            policy = await scan_stream(fleet.event_log, POLICY, fleet.run_id)
+        except LOG_TROUBLE:
+            policy = []
+        fresh = [v for v, _ in versions_in({"policy": policy}) if v.version not in checked]
+        lineages, _ = await asyncio.to_thread(read_lineages, blobs, fresh)
+        for version, lineage in lineages.items():
+            checked.add(version)
+            if any(m.trajectory_seq > trajectory_mark for g in lineage.groups for m in g.members):
+                return True
+        await asyncio.sleep(1.0)
+    return False
+
+
 async def _settle_and_judge(
-    fleet: Fleet, *, seen_before: set, guard_s: float, fault_end: datetime | None
+    fleet: Fleet,
+    *,
+    seen_before: set,
+    guard_s: float,
+    fault_end: datetime | None,
+    trajectory_mark: int | None = None,
 ) -> tuple[Findings, float | None]:
     """Stop the fleet, drain the archive, and judge the invariants."""
     from workers.archiver import drain_once
@@ -121,6 +178,8 @@ async def _settle_and_judge(
     findings.details["versions"] = len({v.version for v, _ in versions_in(scan)})
     findings.details["worker_events"] = fleet.supervisor_events()[-10:]
     recovery = recovery_seconds(scan, fault_end) if fault_end is not None else None
+    if fault_end is not None and trajectory_mark is not None:
+        findings.details["loop_recovery_s"] = loop_recovery_seconds(scan, lineages, fault_end, trajectory_mark)
     return findings, recovery
 
 
@@ -150,12 +209,15 @@ async def run_fault(
         log.info("injecting fault", fault=fault.name, run_id=fleet.run_id)
         fault_end = await fault.inject(fleet)
         head = await _head_after_fault(fleet, guard_s)
-        recovered = await fleet.wait_for_version(head + 1, guard_s)
+        mark = await _trajectory_mark(fleet, guard_s)
+        recovered = await fleet.wait_for_version(head + 1, guard_s) and await _wait_for_loop(fleet, mark, guard_s)
         findings, recovery = await _settle_and_judge(
-            fleet, seen_before=seen_before, guard_s=guard_s, fault_end=fault_end
+            fleet, seen_before=seen_before, guard_s=guard_s, fault_end=fault_end, trajectory_mark=mark
         )
         if not recovered:
-            findings.details["stalled"] = f"no version after v{head} within {guard_s:.0f}s of the fault's end"
+            findings.details["stalled"] = (
+                f"no version trained on trajectories sampled after the fault within {guard_s:.0f}s (head was v{head})"
+            )
         findings.details["run_id"] = fleet.run_id
         return FaultResult(fault.name, findings.lost, findings.duplicated, recovery, findings.details)
     finally:
