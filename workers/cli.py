@@ -189,7 +189,9 @@ def cmd_infra(options: InfraOptions, settings) -> int:
 
         nc = await connect_nats(settings.nats, name="sprawl-infra-apply")
         try:
-            report = await apply(nc.jetstream(), settings.streams, settings.run_id)
+            report = await apply(
+                nc.jetstream(), settings.streams, settings.run_id, log=settings.log, nats=settings.nats
+            )
         finally:
             await nc.close()
         return (

@@ -279,7 +279,9 @@ async def _run_connected(
     from workers.up.warmup import warm_up
 
     progress.phase = "declaring the streams"
-    await signals.until_stopped(apply(event_log.js, settings.streams, settings.run_id), progress.phase)
+    await signals.until_stopped(
+        apply(event_log.js, settings.streams, settings.run_id, log=settings.log, nats=settings.nats), progress.phase
+    )
     cfg = settings.task
 
     progress.phase = "warm-up"
