@@ -12,7 +12,8 @@ from transformers import Qwen3MoeForCausalLM
 from pipeline.blobstore import S3BlobStore
 from pipeline.chain_publish import VersionOutOfOrder
 from pipeline.errors import AppendConflict
-from pipeline.materialize import Backoff, MaterializeError, RouteFailures, VersionUnbuildable, verify_directory
+from pipeline.materialize import MaterializeError, VersionUnbuildable, verify_directory
+from pipeline.route_failures import Backoff, RouteFailures
 from pipeline.version_log import VersionNotAvailable
 from tests.chain_helpers import corrupt_object, expected_root, materializer, publisher, republish_object
 from tests.tiny_models import adam_like_step, tiny_moe

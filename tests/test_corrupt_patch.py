@@ -17,7 +17,8 @@ import torch
 
 from pipeline.blobstore import S3BlobStore
 from pipeline.config import MaterializeSettings
-from pipeline.materialize import Backoff, RouteFailures, verify_directory
+from pipeline.materialize import verify_directory
+from pipeline.route_failures import Backoff, RouteFailures
 from schemas import VersionConstraint
 from tests.chain_helpers import (
     CorruptingBlobStore,

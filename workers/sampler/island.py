@@ -29,7 +29,8 @@ from pipeline.blobstore import BlobStore
 from pipeline.errors import SprawlError
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
-from pipeline.materialize import Backoff, Materialized, Materializer, VersionUnbuildable
+from pipeline.materialize import Materialized, Materializer, VersionUnbuildable
+from pipeline.route_failures import Backoff
 from pipeline.subjects import policy_filter
 from pipeline.version_log import VersionNotAvailable, chain_head
 from schemas import IslandIdentity, VersionConstraint
