@@ -190,15 +190,25 @@ class StreamSettings(Section):
     """Dedup window of the policy stream (versions are rare and must never double)."""
     storage: Literal["file", "memory"] = "file"
     """Stream storage; the log is durable, so `file` outside of throwaway tests."""
-    ack_wait_s: float = Field(30.0, gt=0)
-    """How long a consumer waits for an ack before redelivering (handlers send in-progress meanwhile)."""
-    max_deliver: int = Field(8, ge=1)
-    """Deliveries before a message is given up on (and dead-lettered by the worker)."""
-    backoff_s: list[Annotated[float, Field(gt=0)]] = Field([30.0, 60.0, 120.0, 300.0], validate_default=True)
-    """Redelivery delays after ack timeouts, per delivery (JetStream uses the first as the ack wait);
-    fewer than `max_deliver`."""
+    ack_wait_s: float = Field(10.0, gt=0)
+    """How long a consumer waits for an ack before redelivering, when no `backoff_s` is set. Short, so a
+    killed worker's messages return within seconds; a live handler keeps its message by sending
+    in-progress every third of it (`pipeline/consumer.py`)."""
+    max_deliver: int = Field(48, ge=1)
+    """Deliveries after which the server stops redelivering; the worker dead-letters a message before
+    or at this: poison at once, a bug after `bug_attempts`, a transient failure after
+    `transient_retry_s`. Enough for a transient failure's naks (capped at 30 s apart) to fill that time."""
+    backoff_s: list[Annotated[float, Field(gt=0)]] = Field([10.0, 20.0, 30.0, 60.0], validate_default=True)
+    """Redelivery delays after ack timeouts, per delivery (JetStream uses the first as the ack wait, so a
+    message whose worker was SIGKILLed returns after it); fewer than `max_deliver`."""
     max_ack_pending: int = Field(512, ge=1)
     """Unacked messages a consumer may have out at once (flow control)."""
+    transient_retry_s: float = Field(900.0, gt=0)
+    """How long a consumer retries a message whose handling fails transiently (the log or the blob store
+    down, a prompt group not seen yet) before dead-lettering it; counted from its first failure."""
+    bug_attempts: int = Field(3, ge=1)
+    """Deliveries a message gets when its handler fails with an error that is neither poison nor
+    transient (a bug): then it is dead-lettered with the error."""
 
     @field_validator("backoff_s")
     @classmethod
@@ -207,6 +217,16 @@ class StreamSettings(Section):
         if max_deliver is not None and len(value) >= max_deliver:
             raise ValueError(
                 f"{len(value)} delays but max_deliver is {max_deliver}: JetStream needs fewer delays than deliveries"
+            )
+        return value
+
+    @field_validator("bug_attempts")
+    @classmethod
+    def _attempts_fit_deliveries(cls, value: int, info: ValidationInfo) -> int:
+        max_deliver = info.data.get("max_deliver")
+        if max_deliver is not None and value > max_deliver:
+            raise ValueError(
+                f"{value} attempts but the server delivers a message at most max_deliver={max_deliver} times"
             )
         return value
 

@@ -1,24 +1,29 @@
 """Consuming the log: bind a declared durable pull consumer and run a handler per event.
 
-Contract with the handler:
-- return normally -> the event is acked (after the handler's side effects are durable);
-- raise PoisonEvent -> terminated and dead-lettered with the reason;
-- raise TransientError (retry later) -> nak'ed with the consumer's backoff (at least
-  its `retry_after_s`), and dead-lettered once the delivery count reaches max_deliver;
-- raise anything else -> treated the same way, but logged with its traceback: it is
-  a bug or an unexpected failure, and it must dead-letter rather than crash-loop.
-Events that cannot even be decoded (malformed, unknown type, failed
-validation, corrupt claim check) are dead-lettered without reaching the
-handler. Handlers must be idempotent on `event_id`: a crash between side
-effect and ack redelivers. The consumer also remembers recently applied
-event ids, so a redelivery caused by a lost ack (e.g. a server restart) is
-acked without running the handler twice.
+Every failure has a class, and each class ends in one clear place:
+- poison (`PoisonEvent`, or an event that cannot even be decoded: malformed, unknown type, failed
+  validation, a corrupt or missing claim check) -> terminated and dead-lettered at once, with the
+  original bytes, stream, sequence, consumer and reason;
+- transient (`TransientError`: the log or the blob store did not answer, a prompt group not seen
+  yet) -> nak'ed with backoff (at least its `retry_after_s`) and retried for `transient_retry_s`
+  from its first failure, counted and logged as it goes, then dead-lettered. While the log or the
+  blob store is down (`LogUnavailable`, `BlobStoreUnavailable`) the consumer also pauses fetching,
+  so a down dependency does not burn the deliveries of the messages behind it;
+- anything else is a bug or a failure nobody typed -> logged with its traceback, retried up to
+  `bug_attempts` deliveries, then dead-lettered, so one bad event cannot crash-loop the worker.
+Whatever the class, a message the server would not deliver again (`max_deliver`) is dead-lettered.
+A handler that returns normally is acked (after its side effects are durable).
+
+Handlers must be idempotent on `event_id`: a crash between side effect and ack redelivers. The
+consumer also remembers recently applied event ids, so a redelivery caused by a lost ack (e.g. a
+server restart) is acked without running the handler twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,11 +33,19 @@ import nats.js.errors
 import structlog
 from nats.aio.msg import Msg
 
-from pipeline.errors import ConsumerNotDeclared, LogUnavailable, PoisonEvent, SprawlError, TransientError
+from pipeline.dead_letter import dead_letter
+from pipeline.errors import (
+    BlobStoreUnavailable,
+    BucketNotFound,
+    ConsumerNotDeclared,
+    LogUnavailable,
+    PoisonEvent,
+    SprawlError,
+    TransientError,
+)
 from pipeline.eventlog import NO_ANSWER, EventLog
 from pipeline.logs import get_logger
-from pipeline.subjects import token
-from schemas import DeadLetter, Event
+from schemas import Event
 
 log = get_logger(__name__)
 
@@ -63,7 +76,13 @@ class ConsumerStats:
     acked: int = 0
     skipped_duplicates: int = 0
     nacked: int = 0
+    transient_retries: int = 0
+    """Naks of transient failures (a subset of `nacked`)."""
     dead_lettered: int = 0
+    pauses: int = 0
+    """Times fetching paused because the log or the blob store was down."""
+    failing: int = 0
+    """Messages failing right now (transiently or not), each waiting for its next delivery."""
 
 
 class Consumer:
@@ -79,7 +98,12 @@ class Consumer:
         fetch_timeout_s: float = 1.0,
         remember_applied: int = 50_000,
         retry_delays_s: tuple[float, ...] = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0),
+        transient_retry_s: float = 900.0,
+        bug_attempts: int = 3,
     ):
+        """`transient_retry_s` and `bug_attempts`: how long a transient failure is retried, and how many
+        deliveries any other failure gets, before the message is dead-lettered (`StreamSettings` holds
+        the configured values: workers pass `settings.streams.transient_retry_s` and `.bug_attempts`)."""
         self.log = event_log
         self.stream = stream
         self.durable = durable
@@ -91,6 +115,10 @@ class Consumer:
         self._applied: OrderedDict[str, None] = OrderedDict()
         self._remember = remember_applied
         self._retry_delays = retry_delays_s
+        self.transient_retry_s = transient_retry_s
+        self.bug_attempts = bug_attempts
+        self._failing_since: OrderedDict[int, float] = OrderedDict()
+        self._paused_until = 0.0
         self._max_deliver = -1
         self._backoff: list[float] = []
         self._ack_wait = 30.0
@@ -129,6 +157,11 @@ class Consumer:
     async def _fetch_loop(self, stop: asyncio.Event) -> None:
         assert self._sub is not None
         while not stop.is_set():
+            if (pause := self._paused_until - time.monotonic()) > 0:
+                # A dependency is down: taking more messages now would only burn their deliveries.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), pause)
+                continue
             try:
                 msgs = await self._sub.fetch(self.batch, timeout=self.fetch_timeout_s)
             except TimeoutError:  # nats-py raises its own subclass or a bare asyncio timeout
@@ -161,6 +194,9 @@ class Consumer:
                 event = await self.log.resolve(msg.data, subject=msg.subject)
             except PoisonEvent as exc:
                 await self._dead_letter(msg, exc.message, exc.error_class, run_id=None)
+                return
+            except BucketNotFound as exc:  # a claim check naming a bucket that does not exist never resolves
+                await self._dead_letter(msg, exc.message, "claim_check_missing", run_id=None)
                 return
             except SprawlError as exc:  # the blob store is down or refuses us: try again later
                 await self._retry_later(msg, delivered, exc, run_id=None)
@@ -202,6 +238,7 @@ class Consumer:
             finally:
                 keepalive.cancel()
             self._remember_applied(event.event_id)
+            self._recovered(seq)
             await self._ack(msg)
 
     def _remember_applied(self, event_id: str) -> None:
@@ -218,57 +255,82 @@ class Consumer:
             log.warning("ack not confirmed; a redelivery will be skipped", error=repr(exc))
 
     async def _keep_alive(self, msg: Msg) -> None:
-        interval = max(0.2, min([self._ack_wait, *self._backoff]) / 3)
+        interval = keepalive_interval_s(self._ack_wait, self._backoff)
         while True:
             await asyncio.sleep(interval)
             with contextlib.suppress(*_TRANSIENT_NATS):
                 await msg.in_progress()
 
     async def _retry_later(self, msg: Msg, delivered: int, exc: Exception, run_id: str | None) -> None:
-        if self._max_deliver > 0 and delivered >= self._max_deliver:
+        seq = msg.metadata.sequence.stream
+        now = time.monotonic()
+        failing_for = now - self._failing_since.setdefault(seq, now)
+        self.stats.failing = len(self._failing_since)
+        transient = isinstance(exc, TransientError)
+        last_delivery = self._max_deliver > 0 and delivered >= self._max_deliver
+        if transient and (failing_for >= self.transient_retry_s or last_delivery):
+            reason = (
+                f"still failing after {failing_for:.0f}s and {delivered} deliveries "
+                f"(transient failures are retried for {self.transient_retry_s:g}s); last error: {exc!r}"
+            )
+            await self._dead_letter(msg, reason, type(exc).__name__, run_id=run_id)
+            return
+        if not transient and (delivered >= self.bug_attempts or last_delivery):
             reason = f"gave up after {delivered} deliveries; last error: {exc!r}"
             await self._dead_letter(msg, reason, type(exc).__name__, run_id=run_id)
             return
         delay = self._retry_delays[min(delivered - 1, len(self._retry_delays) - 1)]
         if isinstance(exc, TransientError) and exc.retry_after_s is not None:
             delay = max(delay, exc.retry_after_s)
-        log.warning("handler failed, will retry", error=repr(exc), delivered=delivered, retry_in_s=delay)
+        log.warning(
+            "transient failure, will retry" if transient else "handler failed, will retry",
+            error=repr(exc),
+            delivered=delivered,
+            retry_in_s=delay,
+            failing_for_s=round(failing_for, 1),
+            failing_messages=self.stats.failing,
+        )
         with contextlib.suppress(*_TRANSIENT_NATS):
             await msg.nak(delay=delay)
         self.stats.nacked += 1
+        if transient:
+            self.stats.transient_retries += 1
+        if isinstance(exc, LogUnavailable | BlobStoreUnavailable):
+            if self._paused_until <= now:
+                self.stats.pauses += 1
+                log.warning("the log or the blob store is down: fetching paused", pause_s=delay, error=str(exc))
+            self._paused_until = max(self._paused_until, now + delay)
+
+    def _recovered(self, seq: int) -> None:
+        """The message at `seq` is done with (applied or dead-lettered): its failures are history."""
+        if self._failing_since.pop(seq, None) is not None:
+            self.stats.failing = len(self._failing_since)
 
     async def _dead_letter(self, msg: Msg, reason: str, error_class: str, run_id: str | None) -> None:
-        meta = msg.metadata
-        dead = DeadLetter(
-            run_id=run_id or _run_of(msg.subject),
-            reason=reason,
-            error_class=error_class,
-            stream=self.stream.lower(),
-            consumer=self.durable,
-            original_subject=msg.subject,
-            original_seq=meta.sequence.stream,
-            num_delivered=meta.num_delivered,
-            payload=bytes(msg.data),
-            headers={k: str(v) for k, v in (msg.headers or {}).items()},
-        )
         try:
-            await self.log.append(dead)
+            await dead_letter(
+                self.log,
+                msg,
+                stream=self.stream,
+                consumer=self.durable,
+                reason=reason,
+                error_class=error_class,
+                run_id=run_id,
+            )
         except (SprawlError, nats.errors.Error) as exc:  # the log or (for a big payload) the blob store
             # Losing nothing beats a clean queue: leave it for redelivery.
             log.error("dead-letter append failed; message left for redelivery", error=repr(exc))
             with contextlib.suppress(*_TRANSIENT_NATS):
                 await msg.nak(delay=1.0)
             return
-        log.warning("dead-lettered", reason=reason, error_class=error_class)
+        self._recovered(msg.metadata.sequence.stream)
         with contextlib.suppress(*_TRANSIENT_NATS):
             await msg.term()
         self.stats.dead_lettered += 1
 
 
-def _run_of(subject: str) -> str:
-    """The run token of `rl.<run>.…`, or `unknown`: a dead letter must never fail on a bad subject."""
-    tokens = subject.split(".")
-    try:
-        return token(tokens[1], "run_id") if len(tokens) > 1 else "unknown"
-    except ValueError:
-        return "unknown"
+def keepalive_interval_s(ack_wait_s: float, backoff_s: list[float]) -> float:
+    """How often a handler in progress tells the server it is alive: a third of the shortest ack wait
+    the consumer has (JetStream uses the backoff's first delay as the ack wait), so two keepalives can
+    be late before the message would be redelivered to another worker."""
+    return max(0.2, min([ack_wait_s, *backoff_s]) / 3)

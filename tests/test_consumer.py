@@ -1,14 +1,22 @@
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
+from infra.streams import ApplyReport, apply_consumer
 from pipeline.blobstore import S3BlobStore
-from pipeline.consumer import Consumer, Delivery
-from pipeline.errors import ConsumerNotDeclared, PoisonEvent, TransientError
+from pipeline.config import StreamSettings
+from pipeline.consumer import Consumer, Delivery, keepalive_interval_s
+from pipeline.errors import BlobStoreUnavailable, ConsumerNotDeclared, PoisonEvent, TransientError
+from pipeline.topology import ConsumerRole, consumer_for
 from tests.consuming import dead_letters, run_until
 from tests.events import reward, trajectory
+from tests.servers import HANG_GUARD_S
 
 pytestmark = pytest.mark.integration
 
@@ -28,10 +36,14 @@ async def _noop(delivery: Delivery) -> None:
 
 
 async def test_poison_messages_are_dead_lettered_with_reason_and_the_stream_moves_on(event_log, settings):
-    subject = f"rl.{settings.run_id}.traj.g0"
-    garbage = await event_log.js.publish(subject, b"\x00not an event")
-    unknown = await event_log.js.publish(subject, json.dumps({"type": "mystery.v1", "run_id": "x"}).encode())
-    invalid = await event_log.js.publish(subject, json.dumps({"type": "trajectory.v1", "run_id": "x"}).encode())
+    subject = f"rl.{settings.run_id}.traj.g0.{{}}"  # one message per subject: each on a trajectory's own
+    garbage = await event_log.js.publish(subject.format("a"), b"\x00not an event")
+    unknown = await event_log.js.publish(
+        subject.format("b"), json.dumps({"type": "mystery.v1", "run_id": "x"}).encode()
+    )
+    invalid = await event_log.js.publish(
+        subject.format("c"), json.dumps({"type": "trajectory.v1", "run_id": "x"}).encode()
+    )
     good = trajectory(settings.run_id, "after-the-poison", 3)
     await event_log.append(good)
     handled: list[str] = []
@@ -45,9 +57,9 @@ async def test_poison_messages_are_dead_lettered_with_reason_and_the_stream_move
     assert letters[garbage.seq].error_class == "malformed"
     assert letters[garbage.seq].payload == b"\x00not an event"
     assert letters[unknown.seq].error_class == "unknown_type" and "mystery.v1" in letters[unknown.seq].reason
-    assert letters[invalid.seq].error_class == "invalid" and "trajectory_id" in letters[invalid.seq].reason
-    for letter in letters.values():
-        assert letter.original_subject == subject
+    assert letters[invalid.seq].error_class == "invalid" and "missing required field" in letters[invalid.seq].reason
+    for letter, token in zip((letters[garbage.seq], letters[unknown.seq], letters[invalid.seq]), "abc", strict=True):
+        assert letter.original_subject == subject.format(token)
         assert letter.consumer == f"{settings.run_id}-rewards"
         assert letter.stream == "trajectories"
 
@@ -99,18 +111,70 @@ async def test_a_transient_error_is_retried_no_sooner_than_it_asks(event_log, se
     assert await dead_letters(event_log, settings.run_id) == []
 
 
-async def test_exhausted_retries_are_dead_lettered(event_log, settings):
+async def test_a_bug_is_retried_bug_attempts_times_then_dead_lettered(event_log, settings):
     await event_log.append(trajectory(settings.run_id, "never-works", 3))
 
     async def handler(delivery: Delivery) -> None:
         raise RuntimeError("still broken")
 
-    consumer = _consumer(event_log, settings, handler, retry_delays_s=(0.1,))
+    consumer = _consumer(event_log, settings, handler, retry_delays_s=(0.1,), bug_attempts=2)
     await run_until(consumer, lambda: consumer.stats.dead_lettered == 1)
     (letter,) = await dead_letters(event_log, settings.run_id)
-    assert letter.num_delivered == settings.streams.max_deliver
-    assert "gave up after 4 deliveries" in letter.reason and "still broken" in letter.reason
+    assert letter.num_delivered == 2 < settings.streams.max_deliver
+    assert "gave up after 2 deliveries" in letter.reason and "still broken" in letter.reason
     assert letter.error_class == "RuntimeError"
+    assert letter.stream == "trajectories" and letter.consumer == f"{settings.run_id}-rewards"
+    assert consumer.stats.failing == 0
+
+
+async def test_a_transient_failure_outlives_bug_attempts_and_is_dead_lettered_after_its_time(event_log, settings):
+    """Transient failures are retried for `transient_retry_s`, not a handful of deliveries; then they end
+    on the dead-letter stream with the count and the last error, never silently."""
+    await event_log.append(trajectory(settings.run_id, "verifier-away", 3))
+    calls = []
+
+    async def handler(delivery: Delivery) -> None:
+        calls.append(delivery.num_delivered)
+        raise TransientError("the verifier service is away")
+
+    consumer = _consumer(event_log, settings, handler, retry_delays_s=(0.1,), bug_attempts=1, transient_retry_s=0.5)
+    await run_until(consumer, lambda: consumer.stats.dead_lettered == 1)
+    (letter,) = await dead_letters(event_log, settings.run_id)
+    assert len(calls) >= 2 and calls == list(range(1, len(calls) + 1))  # more than bug_attempts=1
+    assert consumer.stats.transient_retries == len(calls) - 1
+    assert letter.error_class == "TransientError" and "retried for 0.5s" in letter.reason
+    assert "still failing after" in letter.reason and "the verifier service is away" in letter.reason
+
+
+async def test_the_log_or_store_down_pauses_fetching_instead_of_burning_deliveries(event_log, settings):
+    await event_log.append(trajectory(settings.run_id, "store-down", 3))
+    await event_log.append(trajectory(settings.run_id, "behind-it", 3))
+    calls: list[str] = []
+
+    async def handler(delivery: Delivery) -> None:
+        calls.append(delivery.event.trajectory_id)
+        if calls.count("store-down") == 1 and delivery.event.trajectory_id == "store-down":
+            raise BlobStoreUnavailable("http://127.0.0.1:1", "connection refused")
+
+    consumer = _consumer(event_log, settings, handler, retry_delays_s=(0.5,), batch=1)
+    await run_until(consumer, lambda: consumer.stats.acked == 2)
+    assert consumer.stats.pauses == 1 and consumer.stats.transient_retries == 1
+    assert sorted(calls) == ["behind-it", "store-down", "store-down"]
+    assert await dead_letters(event_log, settings.run_id) == []
+
+
+async def test_a_claim_check_in_a_missing_bucket_is_dead_lettered_at_once(event_log, settings):
+    big = trajectory(settings.run_id, "big-lost-bucket", 20_000)
+    result = await event_log.append(big)
+    claim = json.loads((await event_log.js.get_msg("TRAJECTORIES", result.seq)).data)
+    await event_log.js.delete_msg("TRAJECTORIES", result.seq)  # republished below, pointing elsewhere
+    claim["uri"] = "s3://no-such-bucket-" + settings.run_id + "/" + claim["uri"].split("/", 3)[3]
+    await event_log.js.publish(result.subject, json.dumps(claim).encode())
+    consumer = _consumer(event_log, settings, _noop)
+    await run_until(consumer, lambda: consumer.stats.dead_lettered == 1)
+    (letter,) = await dead_letters(event_log, settings.run_id)
+    assert letter.error_class == "claim_check_missing"
+    assert letter.num_delivered == 1 and "no-such-bucket" in letter.reason
 
 
 async def test_long_handler_keeps_its_message_with_in_progress(event_log, settings):
@@ -154,3 +218,58 @@ async def test_a_consumer_of_the_rewards_stream_gets_rewards(event_log, settings
     # The archiver's consumer of REWARDS: declared by infra for every run, bound here like any worker's.
     consumer = Consumer(event_log, "REWARDS", f"{settings.run_id}-archiver-rewards", handler, fetch_timeout_s=0.2)
     await run_until(consumer, lambda: got == ["Reward"])
+
+
+async def test_a_killed_workers_message_returns_after_the_default_ack_wait(event_log, settings, tmp_path):
+    """With the default stream settings a SIGKILLed worker's in-flight message is redelivered after the
+    first backoff (10 s), not the 30-300 s it took before, and its keepalive interval fits well inside it."""
+    defaults = StreamSettings()
+    rewards = consumer_for(settings.run_id, ConsumerRole.REWARDS)
+    await apply_consumer(event_log.js, rewards, defaults, ApplyReport())
+    declared = (await event_log.js.consumer_info(rewards.stream.name, rewards.name)).config
+    assert declared.ack_wait == defaults.backoff_s[0] <= 10.0
+    assert declared.max_deliver == defaults.max_deliver
+    events = [trajectory(settings.run_id, f"k{n}", 3) for n in range(3)]
+    for event in events:
+        await event_log.append(event)
+    env = {
+        **os.environ,
+        "SPRAWL_RUN_ID": settings.run_id,
+        "SPRAWL_NATS__URL": settings.nats.url,
+        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+    }
+    cmd = [sys.executable, "-m", "tests.ledger_consumer", "--workdir", str(tmp_path)]
+    victim = subprocess.Popen([*cmd, "--hang-on", "k1"], env=env)
+    try:
+        while not (tmp_path / "hanging").exists():
+            assert victim.poll() is None, "the victim exited before it hung"
+            await asyncio.sleep(0.05)
+        victim.send_signal(signal.SIGKILL)  # k1 applied, not acked
+        victim.wait(timeout=HANG_GUARD_S)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+    survivor = subprocess.Popen(cmd, env=env)
+    try:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while True:
+            info = await event_log.js.consumer_info(rewards.stream.name, rewards.name)
+            if info.num_pending == 0 and info.num_ack_pending == 0:
+                break
+            assert time.monotonic() < deadline, "the survivor did not drain the consumer"
+            await asyncio.sleep(0.1)
+    finally:
+        survivor.send_signal(signal.SIGTERM)
+        survivor.wait(timeout=HANG_GUARD_S)
+    invocations = (tmp_path / "invocations").read_text().split()
+    applied = (tmp_path / "applied").read_text().split()
+    assert invocations.count(events[1].event_id) == 2, "k1 came back to the survivor"
+    assert sorted(applied) == sorted(e.event_id for e in events)  # applied once each
+    assert await dead_letters(event_log, settings.run_id) == []
+
+
+def test_the_keepalive_of_a_handler_fits_inside_the_default_ack_wait():
+    defaults = StreamSettings()
+    first_wait = min([defaults.ack_wait_s, *defaults.backoff_s])
+    assert first_wait <= 10.0
+    assert keepalive_interval_s(defaults.ack_wait_s, defaults.backoff_s) <= first_wait / 3

@@ -214,6 +214,8 @@ class RewardWorker:
             batch=self.settings.concurrency,
             concurrency=self.settings.concurrency,
             fetch_timeout_s=0.5,
+            transient_retry_s=self.settings.streams.transient_retry_s,
+            bug_attempts=self.settings.streams.bug_attempts,
         )
         try:
             # Without the prompt projection every trajectory would wait, then be dead-lettered.

@@ -167,7 +167,16 @@ class SamplerWorker:
         await self.island.start()
         beats = asyncio.create_task(self._heartbeats())
         prompts = consumer_for(self.settings.run_id, ConsumerRole.SAMPLERS)
-        consumer = Consumer(self.log, prompts.stream.name, prompts.name, self.handle, batch=1, fetch_timeout_s=0.5)
+        consumer = Consumer(
+            self.log,
+            prompts.stream.name,
+            prompts.name,
+            self.handle,
+            batch=1,
+            fetch_timeout_s=0.5,
+            transient_retry_s=self.settings.streams.transient_retry_s,
+            bug_attempts=self.settings.streams.bug_attempts,
+        )
         try:
             # The consumer returns after the group in hand (SIGTERM drains); a dead heartbeat loop
             # must not leave a sampler alive and invisible.
