@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from pipeline.replay import replay, tail
 from pipeline.sandbox import SandboxSettings
-from schemas import IslandIdentity, PromptGroup, Reward, Trajectory, VersionSpan
+from schemas import IslandIdentity, PromptGroup, Reward, Trajectory, VersionSpan, encode_event
+from tests.consuming import dead_letters
 from workers.rewards.worker import RewardSettings, RewardWorker, open_verifier_sandbox
 
 pytestmark = pytest.mark.integration
@@ -182,3 +183,57 @@ def test_the_sandbox_is_opened_only_for_verifiers_that_run_code():
     assert opened is not None and type(opened).__name__ == "BwrapSandboxPool"
     with pytest.raises(ValidationError, match="unknown verifier 'regex'"):
         open_verifier_sandbox(RewardSettings(routes={"arith": "regex"}))
+
+
+async def test_a_trajectory_of_a_group_the_log_does_not_hold_is_dead_lettered_on_its_first_delivery(
+    event_log, settings
+):
+    """Before: 'prompt group not seen yet' was retried 8 times over 22 minutes, then dead-lettered.
+    Once the projection has read every prompt the log holds, a missing group is poison."""
+    run = settings.run_id
+    await event_log.append(PromptGroup(run_id=run, group_id="arith", prompt_token_ids=[1], **ARITH))
+    await event_log.append(_traj(run, "ghost-0", "ghost", "arith", "5"))
+    await event_log.append(_traj(run, "arith-0", "arith", "arith", "5"))
+    worker_settings = RewardSettings(**settings.model_dump(include={"run_id", "nats", "blobs", "log", "streams"}))
+    worker = RewardWorker(worker_settings, event_log, None)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        rewards = await _rewards(event_log, run, 1)
+        await _all_handled(event_log, run)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, HANG_GUARD_S)
+    assert set(rewards) == {"arith-0"}
+    (letter,) = await dead_letters(event_log, run)
+    assert letter.error_class == "unknown_group" and "ghost" in letter.reason
+    assert letter.num_delivered == 1
+    assert letter.original_subject == f"rl.{run}.traj.ghost.ghost-0"
+
+
+async def test_a_trajectory_that_already_has_a_reward_is_not_verified_again(event_log, settings):
+    run = settings.run_id
+    await event_log.append(PromptGroup(run_id=run, group_id="arith", prompt_token_ids=[1], **ARITH))
+    first = _traj(run, "arith-0", "arith", "arith", "5")
+    await event_log.append(first)
+    worker_settings = RewardSettings(**settings.model_dump(include={"run_id", "nats", "blobs", "log", "streams"}))
+    worker = RewardWorker(worker_settings, event_log, None)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await _rewards(event_log, run, 1)
+        await _all_handled(event_log, run)
+        # The same trajectory id produced again under another message id (so neither the dedup window nor
+        # the one-message subject stops it once the first is gone): a new delivery, which must become
+        # neither a second verification nor a second reward.
+        subject = f"rl.{run}.traj.arith.arith-0"
+        await event_log.js.delete_msg("TRAJECTORIES", (await event_log.js.get_last_msg("TRAJECTORIES", subject)).seq)
+        again = encode_event(_traj(run, "arith-0", "arith", "arith", "6"))
+        await event_log.js.publish(subject, again, headers={"Nats-Msg-Id": f"{run}:republished"})
+        await _all_handled(event_log, run)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, HANG_GUARD_S)
+    all_rewards = [r.event async for r in replay(event_log, "REWARDS", f"rl.{run}.reward.>")]
+    assert [(r.trajectory_id, r.value) for r in all_rewards] == [("arith-0", 1.0)]
+    assert worker.verified == 1 and worker.already_rewarded == 1
