@@ -2,6 +2,7 @@
 is never read as "no checkpoint"."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -43,6 +44,7 @@ async def test_dropped_groups_are_announced_and_counted_in_the_metrics(event_log
     await run
     dropped = [r.event async for r in replay(event_log, TRAINER.name, dropped_filter)]
     assert [d.group_id for d in dropped if isinstance(d, GroupDropped)] == ["g0"]
+    assert "the log holds 4 trajectories and 3 rewards of it" in dropped[0].reason
     metrics = [r.event async for r in replay(event_log, METRICS.name, f"rl.{settings.run_id}.metrics.>")]
     totals = [m.metrics["groups_dropped_total"] for m in metrics if isinstance(m, TrainerMetrics)]
     assert totals == [1.0, 1.0]
@@ -54,3 +56,36 @@ async def test_a_stalled_log_is_an_error_not_a_missing_checkpoint(event_log, set
     with nats_stalled(settings), pytest.raises(Exception) as failure:
         await latest_checkpoint(event_log, settings.run_id)
     assert not isinstance(failure.value, AssertionError)
+
+
+async def test_a_group_the_log_holds_more_of_than_the_feeds_delivered_is_not_dropped(event_log, settings, model_dir):
+    """Before: "incomplete after 300s: 9/16" while the log held 16/16, and a later trainer trained it.
+    Now an overdue group is given another wait while the feeds are behind the log, and dropped only
+    after a wait in which they delivered nothing more of it, with the log's counts in the reason."""
+    ((trajectories, rewards),) = make_groups(model_dir, settings.run_id, 1)
+    await publish_groups(event_log, [(trajectories, rewards)])  # the log holds the whole group
+    section = TrainerSection(model_dir=model_dir, groups_per_batch=1, trainer_id="t-behind", max_group_wait_s=10)
+    trainer_settings = TrainerSettings(
+        **settings.model_dump(include={"run_id", "nats", "blobs", "log", "streams"}), trainer=section
+    )
+    trainer = Trainer(trainer_settings, event_log, S3BlobStore(settings.blobs))
+    long_ago = time.monotonic() - 60  # as if the feeds had stalled on the rest of it since then
+    for seq, t in enumerate(trajectories[:2], start=1):
+        trainer.assembler.add_trajectory(t, seq, long_ago)
+    trainer.assembler.add_reward(rewards[0], 1, long_ago)
+
+    await trainer._drop_expired()
+    assert "g0" in trainer.assembler.pending and trainer.groups_dropped == 0  # the feeds are behind: wait
+
+    trainer.assembler.add_trajectory(trajectories[2], 3, long_ago)  # the feed delivered more meanwhile
+    trainer.assembler.pending["g0"].first_seen = long_ago
+    await trainer._drop_expired()
+    assert "g0" in trainer.assembler.pending and trainer.groups_dropped == 0
+
+    trainer.assembler.pending["g0"].first_seen = long_ago  # a whole wait, and nothing more came
+    await trainer._drop_expired()
+    assert "g0" not in trainer.assembler.pending and trainer.groups_dropped == 1
+    dropped = [r.event async for r in replay(event_log, TRAINER.name, f"rl.{settings.run_id}.trainer.dropped")]
+    assert len(dropped) == 1 and isinstance(dropped[0], GroupDropped)
+    assert "3/4 trajectories, 1/4 rewards" in dropped[0].reason
+    assert "the log holds 4 trajectories and 4 rewards of it" in dropped[0].reason
