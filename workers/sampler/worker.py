@@ -180,7 +180,7 @@ class SamplerWorker:
         try:
             # The consumer returns after the group in hand (SIGTERM drains); a dead heartbeat loop
             # must not leave a sampler alive and invisible.
-            await run_beside(consumer.run(stop), beats, stop, "the heartbeat loop")
+            await run_beside(consumer.run(stop), beats, stop, "the sampler's heartbeat loop")
         finally:
             self.island.state = "draining"
             try:
