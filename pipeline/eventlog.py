@@ -302,7 +302,8 @@ class EventLog:
         (`subject_mismatch`) instead of being acted on in the wrong place.
 
         Raises PoisonEvent for anything that can never decode (malformed,
-        unknown type, failed validation, a claim whose blob is corrupt or gone).
+        unknown type, failed validation, a claim whose blob is corrupt or gone, or that points outside
+        this run's claims).
         Other blob-store errors propagate: BlobStoreUnavailable is a TransientError, so
         the caller retries.
         """
@@ -318,6 +319,16 @@ class EventLog:
             raise LogError(
                 f"received claim-checked event {event.event_id} but this log has no blob store to fetch {event.uri}",
                 hint="open the EventLog with a blob store (EventLog.connect does)",
+            )
+        own_claims = self.blobs.uri(f"claims/{event.run_id}/")
+        if not event.uri.startswith(own_claims):
+            # Producers put claims under this prefix of the run's store (`_claim_check`). A pointer anywhere
+            # else (another bucket, another run, another host) is forged or misrouted: refusing it before any
+            # GET also keeps a forged event from making every reader fetch what it names. It is poison, not a
+            # fatal "bucket missing": our own store is fine, the message is not.
+            raise PoisonEvent(
+                f"claim check {event.uri} is outside this run's claims ({own_claims}...)",
+                error_class="claim_check_foreign",
             )
         try:
             body = await asyncio.to_thread(self.blobs.get_bytes, event.uri, expected=event.sha256)
