@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import nats.errors
@@ -144,6 +145,9 @@ class EventLog:
         self.blobs = blobs
         self.settings = settings
         self.producer = producer
+        self.append_patience_s: float | None = None
+        """The default `patience_s` of this log's appends (see `append`): set by a process whose every
+        append must wait out an outage rather than fail (the trainer)."""
 
     @classmethod
     async def connect(cls, settings: SprawlSettings, worker: str) -> EventLog:
@@ -175,8 +179,14 @@ class EventLog:
         expected_last_subject_seq: int | None = None,
         fence_subject: str | None = None,
         subject: str | None = None,
+        patience_s: float | None = None,
     ) -> AppendResult:
         """Append one event and return where it landed.
+
+        `patience_s`: how long to keep retrying (the same Nats-Msg-Id, so safely) while the log takes no
+        appends (a server restart or outage), with a warning repeated while it lasts, before raising
+        AppendUnavailable. None: `publish_attempts` attempts only. A producer that cannot usefully do
+        anything else until its event is in the log (the trainer) waits; one that can retry later fails fast.
 
         `expected_last_subject_seq` makes the append conditional: JetStream
         refuses it unless the last message on `fence_subject` (default: the
@@ -198,7 +208,8 @@ class EventLog:
             if fence_subject is not None:
                 headers["Nats-Expected-Last-Subject-Sequence-Subject"] = fence_subject
         try:
-            ack = await self._publish_with_retries(subject, data, headers, expected_last_subject_seq)
+            patience = self.append_patience_s if patience_s is None else patience_s
+            ack = await self._publish_patiently(subject, data, headers, expected_last_subject_seq, patience)
         except _SubjectFull as full:
             # The subject holds a message and the dedup window did not call ours a duplicate: either our
             # own earlier attempt landed longer ago than the window (its ack lost, or the producer
@@ -260,6 +271,24 @@ class EventLog:
         )
         return encode_event(claim)
 
+    async def _publish_patiently(
+        self, subject: str, data: bytes, headers: dict[str, str], expected_seq: int | None, patience_s: float | None
+    ):
+        started = time.monotonic()
+        while True:
+            try:
+                return await self._publish_with_retries(subject, data, headers, expected_seq)
+            except AppendUnavailable:
+                waited = time.monotonic() - started
+                if patience_s is None or waited >= patience_s:
+                    raise
+                log.warning(
+                    "the log takes no appends; waiting for it",
+                    subject=subject,
+                    waited_s=round(waited, 1),
+                    patience_s=patience_s,
+                )
+
     async def _publish_with_retries(self, subject: str, data: bytes, headers: dict[str, str], expected_seq: int | None):
         delay = self.settings.publish_backoff_s
         last_error: Exception | None = None
@@ -283,13 +312,30 @@ class EventLog:
                 nats.errors.ConnectionReconnectingError,
                 nats.errors.OutboundBufferLimitError,
             ) as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    # nats-py can turn our cancellation into a timeout: a stopping worker must stop.
+                    raise asyncio.CancelledError from exc
                 last_error = exc
             log.warning("append retry", subject=subject, attempt=attempt, error=type(last_error).__name__)
             await asyncio.sleep(delay)
             delay = min(delay * 2, PUBLISH_BACKOFF_CAP_S)
-        if isinstance(last_error, nats.errors.NoRespondersError | nats.js.errors.NoStreamResponseError):
+        if isinstance(
+            last_error, nats.errors.NoRespondersError | nats.js.errors.NoStreamResponseError
+        ) and await self._no_stream_holds(subject):
             raise StreamNotDeclared(subject) from last_error
         raise AppendUnavailable(subject, self.settings.publish_attempts, last_error) from last_error
+
+    async def _no_stream_holds(self, subject: str) -> bool:
+        """True only on the server's word that no stream listens on `subject`. No responders alone also
+        happens while a restarted server recovers its streams: that is an outage, not a missing stream."""
+        try:
+            await self.js.find_stream_name_by_subject(subject)
+        except nats.js.errors.NotFoundError:
+            return True
+        except (*NO_ANSWER, nats.js.errors.ServiceUnavailableError, nats.js.errors.APIError):
+            return False
+        return False
 
     # ---------------------------------------------------------------- read
 

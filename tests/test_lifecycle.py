@@ -6,7 +6,7 @@ import contextlib
 import pytest
 
 from pipeline.errors import LogUnavailable, WorkerPartFailed
-from workers.lifecycle import raise_if_cancelled, run_beside, run_guarded
+from workers.lifecycle import first_to_end, raise_if_cancelled, run_beside, run_guarded
 
 
 async def _work(stop: asyncio.Event, finished: list[str]) -> None:
@@ -134,3 +134,36 @@ async def test_the_work_s_own_error_propagates_unwrapped():
     with pytest.raises(ValueError, match="a bug in the update"):
         await run_guarded(work(), [guard])
     guard.cancel()
+
+
+async def test_the_first_of_several_parts_to_fail_is_named():
+    """The sampler watches its heartbeat loop and the island's chain follower: either failing ends it."""
+    stop, finished = asyncio.Event(), []
+
+    async def beating() -> None:
+        await asyncio.Event().wait()
+
+    async def following() -> None:
+        await asyncio.sleep(0)
+        raise OSError("the store went away for good")
+
+    beats = asyncio.create_task(beating(), name="the heartbeat loop")
+    follower = asyncio.create_task(following(), name="the chain follower")
+    watch = asyncio.create_task(first_to_end([beats, follower]))
+    with pytest.raises(WorkerPartFailed, match="the chain follower failed: OSError: the store went away"):
+        await run_beside(_work(stop, finished), watch, stop, "a background part")
+    assert finished == ["drained"]
+    beats.cancel()
+
+
+async def test_a_part_that_ends_while_the_worker_stops_is_no_failure():
+    stop, finished = asyncio.Event(), []
+
+    async def until_stopped() -> None:
+        await stop.wait()
+
+    part = asyncio.create_task(until_stopped(), name="the heartbeat loop")
+    watch = asyncio.create_task(first_to_end([part]))
+    stop.set()
+    await run_beside(_work(stop, finished), watch, stop, "a background part")
+    assert finished == ["drained"]

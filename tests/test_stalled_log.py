@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -67,3 +68,25 @@ async def test_waiting_for_a_version_through_a_stall_says_the_log_did_not_answer
         await wait_for_version(event_log, settings.run_id, 3, timeout_s=1.0)
     with pytest.raises(VersionNotAvailable):  # answered, and truly absent
         await wait_for_version(event_log, settings.run_id, 3, timeout_s=0.2)
+
+
+async def test_a_patient_append_waits_out_a_stall_and_lands_once(event_log, settings):
+    """The trainer's appends wait out an outage (same Nats-Msg-Id on every retry) instead of ending it."""
+    from pipeline.config import LogSettings
+    from pipeline.errors import AppendUnavailable
+    from pipeline.eventlog import EventLog
+
+    impatient = EventLog(
+        event_log.nc, event_log.blobs, LogSettings(publish_attempts=1, publish_timeout_s=0.5), "test/patience"
+    )
+    lease = TrainerLease(run_id=settings.run_id, holder="patient", expires_at=0.0)
+    subject = trainer_lease_subject(settings.run_id)
+    with nats_stalled(settings):
+        with pytest.raises(AppendUnavailable):
+            await impatient.append(lease)  # one attempt: the stall wins
+        waiting = asyncio.create_task(impatient.append(lease, patience_s=600))
+        await asyncio.sleep(2)  # let it be refused a few times; the assertions below hold however long this is
+        assert not waiting.done()
+    result = await waiting
+    last = await last_event_on(event_log, TRAINER.name, subject)
+    assert last is not None and last.event.event_id == lease.event_id and last.stream_seq == result.seq

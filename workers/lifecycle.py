@@ -62,12 +62,25 @@ async def run_beside(work: Awaitable[None], helper: asyncio.Task, stop: asyncio.
             stop.set()
             await working
             if not helper.cancelled() and (error := helper.exception()) is not None:
+                if isinstance(error, WorkerPartFailed):  # the helper already names the part that failed
+                    raise error
                 raise WorkerPartFailed(what, error) from error
             if not stopping:
                 raise WorkerPartFailed(what, None)
         await working
     finally:
         await _cancelled(helper)
+
+
+async def first_to_end(parts: Iterable[asyncio.Task]) -> None:
+    """Wait until one of `parts` (tasks meant to live as long as their worker) ends: a helper for
+    `run_beside` that watches several parts. One that failed raises WorkerPartFailed naming it by its task
+    name; one that just ended returns, and `run_beside` judges that by whether the worker is stopping."""
+    parts = list(parts)
+    done, _ = await asyncio.wait(parts, return_when=asyncio.FIRST_COMPLETED)
+    ended = next(iter(done))
+    if not ended.cancelled() and (error := ended.exception()) is not None:
+        raise WorkerPartFailed(ended.get_name(), error) from error
 
 
 async def run_guarded(work: Awaitable[T], guards: Iterable[asyncio.Task]) -> T:

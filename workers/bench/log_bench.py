@@ -76,7 +76,9 @@ async def _measure(settings: StackSettings, quick: bool) -> tuple[list[dict], di
                 events = [_event(settings.run_id, size, r * per_round + i) for i in range(per_round)]
                 raw = [encode_event(e) for e in events]
                 # One subject per message, like ours: TRAJECTORIES keeps one message per subject.
-                raw_subjects = [run_subject(run, Kind.TRAJECTORIES, "raw", f"{label}-{e.trajectory_id}") for e in events]
+                raw_subjects = [
+                    run_subject(run, Kind.TRAJECTORIES, "raw", f"{label}-{e.trajectory_id}") for e in events
+                ]
                 ours_first = r % 2 == 1
                 if ours_first:
                     ours, claim = await _time_ours(event_log, events)

@@ -175,6 +175,9 @@ class Island:
         self._commit_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self.follower: asyncio.Task | None = None
+        """The task keeping the engine at the chain's head (None until `start(follow=True)`): its worker
+        supervises it, so an island never lives on serving a stale version after its follower died."""
         self._sub = None
 
     @property
@@ -200,9 +203,10 @@ class Island:
         self.capabilities = await self.engine.capabilities()
         if follow:
             self._sub = await self.log.nc.subscribe(policy_filter(self.run_id), cb=self._on_policy_message)
-            follower = asyncio.create_task(self._follow(), name="island-follow")
+            follower = asyncio.create_task(self._follow(), name="the island's chain follower")
             follower.add_done_callback(_log_follower_death)
             self._tasks.append(follower)
+            self.follower = follower
 
     async def stop(self) -> None:
         self.state = "draining"

@@ -22,7 +22,7 @@ from pipeline.eventlog import NO_ANSWER, EventLog
 from pipeline.logs import get_logger
 from pipeline.topology import ConsumerRole, consumer_for
 from schemas import IslandHeartbeat, PromptGroup, Trajectory
-from workers.lifecycle import raise_if_cancelled, run_beside, run_connected
+from workers.lifecycle import first_to_end, raise_if_cancelled, run_beside, run_connected
 from workers.sampler.engines.base import GenerateRequest, Sample
 from workers.sampler.island import Island, VersionUnreachable, build_island
 from workers.sampler.settings import IslandSection as IslandSection  # re-exported: it lived here
@@ -165,7 +165,9 @@ class SamplerWorker:
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.island.start()
-        beats = asyncio.create_task(self._heartbeats())
+        beats = asyncio.create_task(self._heartbeats(), name="the sampler's heartbeat loop")
+        parts = [beats, *([self.island.follower] if self.island.follower is not None else [])]
+        watch = asyncio.create_task(first_to_end(parts))
         prompts = consumer_for(self.settings.run_id, ConsumerRole.SAMPLERS)
         consumer = Consumer(
             self.log,
@@ -180,13 +182,15 @@ class SamplerWorker:
         try:
             # The consumer returns after the group in hand (SIGTERM drains); a dead heartbeat loop
             # must not leave a sampler alive and invisible.
-            await run_beside(consumer.run(stop), beats, stop, "the sampler's heartbeat loop")
+            await run_beside(consumer.run(stop), watch, stop, "the sampler's heartbeat loop or chain follower")
         finally:
             self.island.state = "draining"
             try:
                 await self.log.append(self.heartbeat())
             except TransientError as exc:  # draining: the log may be what is going away
                 log.warning("last heartbeat not appended", error=str(exc))
+            beats.cancel()
+            await asyncio.gather(beats, return_exceptions=True)
             await self.island.stop()
 
 

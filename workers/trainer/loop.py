@@ -58,6 +58,10 @@ class Trainer:
         self.run_id = token(settings.run_id, "run_id")
         self.holder = self.cfg.trainer_id or socket.gethostname()
         self.lease = RunLease(event_log, self.run_id, self.holder, self.cfg.lease_ttl_s)
+        # Every append the trainer makes (a version, metrics, a checkpoint, a dropped group) waits out an
+        # outage of the log rather than ending the process: a retry reuses the event's Nats-Msg-Id, and
+        # the lease guard stops the trainer first if the outage outlasts the lease's margin.
+        event_log.append_patience_s = self.cfg.lease_ttl_s
         self.assembler = BatchAssembler(
             groups_per_batch=self.cfg.groups_per_batch,
             default_group_size=self.cfg.group_size,
