@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from pipeline.config import NatsSettings, SprawlSettings
 from pipeline.errors import LogUnavailable, SprawlError
 from pipeline.eventlog import connect_nats
-from pipeline.sql import QueryError, open_duckdb, user_query_errors
+from pipeline.sql import QueryError, open_duckdb, printable, user_query_errors
 
 
 @pytest.fixture
@@ -89,3 +89,29 @@ async def test_a_reachable_log_connects_and_keeps_reconnecting_after(settings):
         assert nc.options["max_reconnect_attempts"] == -1  # a later server restart is waited out
     finally:
         await nc.close()
+
+
+@pytest.mark.parametrize(
+    ("data", "limit", "shown"),
+    [
+        (b"plain text", 100, "plain text"),
+        ("é ✓ 日本".encode(), 100, "é ✓ 日本"),  # printable UTF-8 stays as it is
+        (b"\x1b[31mred\x1b[0m", 100, "\\x1B[31mred\\x1B[0m"),  # terminal escapes
+        (b"\x00\x07\t\n\r\x7f", 100, "\\x00\\x07\\x09\\x0A\\x0D\\x7F"),  # C0 and DEL
+        ("\u009b2J".encode(), 100, "\\x9B2J"),  # C1 CSI as a character ...
+        (b"\x9b2J\xff", 100, "\\x9B2J\\xFF"),  # ... and as bytes that are not UTF-8
+        ("\u202eevil\u2028".encode(), 100, "\\u202Eevil\\u2028"),  # bidi override, line separator
+        (b"a\\x1B", 100, "a\\\\x1B"),  # a backslash is doubled: an escape is never ambiguous
+        (b"abcdef", 3, "abc…"),
+        (b"\x00\x00\x00", 9, "\\x00\\x00…"),  # never cut inside an escape
+        (None, 10, None),
+    ],
+)
+def test_printable_escapes_what_could_drive_a_terminal(data, limit, shown):
+    assert printable(data, limit) == shown
+
+
+def test_printable_is_a_sql_function_of_every_connection(con):
+    assert con.sql("SELECT printable(from_hex('1b5b324a41'), 20), printable(encode('ok'), 20)").fetchall() == [
+        ("\\x1B[2JA", "ok")
+    ]
