@@ -166,3 +166,46 @@ async def test_dead_letters_audit_of_a_run_without_any_returns_no_rows(event_log
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == []
+
+
+async def test_dead_letters_keep_their_fields_and_the_audit_prints_the_refused_bytes_escaped(event_log, settings):
+    """Before: the archive's own `stream` and `payload` columns overwrote the dead letter's, so every
+    row said `stream=deadletter` and `payload` held the dead letter itself, not the refused bytes."""
+    refused = b"\x1b]0;owned\x07\x1b[2J\x9b" + b"A" * 400  # retitle the terminal, clear it, a C1 CSI
+    await event_log.append(
+        DeadLetter(
+            run_id=settings.run_id,
+            reason="refused: \x1b[31mred\x1b[0m",
+            error_class="malformed",
+            stream="rewards",
+            consumer="c1",
+            original_subject=f"rl.{settings.run_id}.reward.g0.t0",
+            original_seq=41,
+            num_delivered=2,
+            payload=refused,
+        )
+    )
+    assert await drain_once(_archiver_settings(settings)) == 1
+    con, _ = open_archive(settings)
+    row = con.sql("SELECT stream, original_seq, consumer, payload, log_stream FROM dead_letters").fetchall()
+    assert row == [("rewards", 41, "c1", refused, "deadletter")]
+
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("SPRAWL_")},
+        "SPRAWL_NATS__URL": settings.nats.url,
+        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+    }
+    command = [sys.executable, "-m", "workers.cli", "audit", "dead-letters", "--run", settings.run_id]
+    as_json = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=120, env=env)
+    assert as_json.returncode == 0, as_json.stderr
+    (shown,) = json.loads(as_json.stdout)
+    where = (shown["stream"], shown["seq"], shown["consumer"], shown["error_class"])
+    assert where == ("rewards", 41, "c1", "malformed")
+    assert shown["reason"] == "refused: \\x1B[31mred\\x1B[0m"
+    assert shown["payload"].startswith("\\x1B]0;owned\\x07\\x1B[2J\\x9BAAA") and shown["payload"].endswith("…")
+    assert len(shown["payload"]) <= 161 and shown["payload_bytes"] == len(refused)
+    as_table = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert as_table.returncode == 0, as_table.stderr
+    assert "owned" in as_table.stdout
+    for output in (as_json.stdout, as_table.stdout):
+        assert not {"\x1b", "\x07", "\x9b"} & set(output)  # nothing reaches the terminal raw
