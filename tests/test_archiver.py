@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from infra import stack
 from infra.streams import apply
 from pipeline.blobstore import open_blob_store
+from pipeline.errors import BlobStoreUnavailable, PoisonEvent
 from pipeline.eventlog import CLAIM_CHECK_HEADER, EventLog
 from pipeline.sql import open_duckdb
 from pipeline.subjects import (
@@ -42,7 +44,7 @@ from workers.archiver import Archiver, ArchiverSettings, ArchiveSection, drain_o
 from workers.archiver.progress import ArchivedSeqs
 from workers.archiver.rows import archive_files
 from workers.archiver.stream import StreamArchiver
-from workers.archiver.waits import Waits, WaitState
+from workers.archiver.waits import Abandoned, Waits, WaitState
 
 pytestmark = pytest.mark.integration
 
@@ -194,6 +196,39 @@ def test_no_event_field_is_named_like_an_envelope_column():
     for event in CURRENT_EVENTS:
         fields = {f.encode_name for f in msgspec.inspect.type_info(event).fields}
         assert not fields & set(ROW_COLUMNS), event
+
+
+async def test_a_transient_state_is_retried_until_done_given_up_at_its_limit_and_abandoned_on_stop():
+    s3 = WaitState.S3_UNAVAILABLE
+    calls = 0
+
+    async def answers_third_time() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise BlobStoreUnavailable(None, "connection refused")
+        return "written"
+
+    async def never_answers() -> None:
+        raise BlobStoreUnavailable(None, "connection refused")
+
+    waits = Waits(ArchiveSection(retry_first_s=0.01, retry_max_s=0.02, give_up_after_s=0.3))
+    retry = {"stream": "rewards", "state": s3, "transient": (BlobStoreUnavailable,), "stop": asyncio.Event()}
+    assert await waits.until_done(answers_third_time, **retry) == "written"
+    assert (calls, waits.retries[s3], waits.waiting) == (3, 2, {})
+    with pytest.raises(BlobStoreUnavailable):  # past give_up_after_s: the error, for the process to exit on
+        await waits.until_done(never_answers, **retry)
+    assert waits.retries[s3] > 3 and waits.waiting == {}
+    stopping = asyncio.Event()
+    stopping.set()
+    with pytest.raises(Abandoned):  # stopping while waiting: given up, nothing acked
+        await Waits(ArchiveSection()).until_done(never_answers, **(retry | {"stop": stopping}))
+    with pytest.raises(PoisonEvent):  # anything not transient is not retried
+        await waits.until_done(functools.partial(_raise, PoisonEvent("bad")), **retry)
+
+
+async def _raise(error: Exception) -> None:
+    raise error
 
 
 # ---------------------------------------------------------------- poison
