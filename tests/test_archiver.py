@@ -249,12 +249,12 @@ async def test_poison_on_every_stream_is_archived_and_dead_lettered_and_archivin
     }
     for subject in poison.values():
         await event_log.js.publish(subject, junk)
-    missing = ClaimCheck(
-        run_id=run, event_type="reward.v1", uri="s3://no-such-bucket-here/claims/x", sha256="0" * 64, bytes=10
-    )
-    await event_log.js.publish(
-        reward_subject(run, "g1", "t1"), encode_event(missing), headers={CLAIM_CHECK_HEADER: "1"}
-    )
+    # Claim checks pointing at a bucket that does not exist, and at a blob that does not exist.
+    bucket = settings.blobs.bucket
+    for trajectory, uri in [("t1", "s3://no-such-bucket-here/claims/x"), ("t2", f"s3://{bucket}/claims/{run}/gone")]:
+        claim = ClaimCheck(run_id=run, event_type="reward.v1", uri=uri, sha256="0" * 64, bytes=10)
+        headers = {CLAIM_CHECK_HEADER: "1"}
+        await event_log.js.publish(reward_subject(run, "g1", trajectory), encode_event(claim), headers=headers)
     elsewhere = _reward(run, 7, group="g-other")  # its body says group g-other, its subject g1
     await event_log.js.publish(reward_subject(run, "g1", "t7"), encode_event(elsewhere))
     await event_log.js.publish(dead_letter_subject(run, "rewards", 999), junk)  # on the dead-letter stream itself
@@ -263,7 +263,6 @@ async def test_poison_on_every_stream_is_archived_and_dead_lettered_and_archivin
     await drain_once(_settings(settings))
 
     con = open_duckdb(settings)
-    bucket = settings.blobs.bucket
     dead = con.sql(
         f"SELECT stream, original_subject, consumer, error_class, payload "
         f"FROM read_parquet('s3://{bucket}/{parquet_glob(run, 'dead_letter.v1')}') ORDER BY stream, original_subject"
@@ -271,7 +270,9 @@ async def test_poison_on_every_stream_is_archived_and_dead_lettered_and_archivin
     expected = sorted(
         [(label, subject, f"{run}-archiver-{label}", "malformed", junk) for label, subject in poison.items()]
         + [
-            ("rewards", reward_subject(run, "g1", "t1"), f"{run}-archiver-rewards", "claim_check_missing"),
+            # Refused before any GET: only the run's own claims prefix is fetched (EventLog.resolve).
+            ("rewards", reward_subject(run, "g1", "t1"), f"{run}-archiver-rewards", "claim_check_foreign"),
+            ("rewards", reward_subject(run, "g1", "t2"), f"{run}-archiver-rewards", "claim_check_missing"),
             ("rewards", reward_subject(run, "g1", "t7"), f"{run}-archiver-rewards", "subject_mismatch"),
         ],
         key=lambda row: (row[0], row[1]),
@@ -305,7 +306,7 @@ async def test_an_s3_outage_during_a_flush_acks_nothing_unwritten_and_resumes(ev
     stop = asyncio.Event()
     task = asyncio.create_task(archiver.run(stop))
     try:
-        await event_log.append(_reward(run, 0))
+        first = await event_log.append(_reward(run, 0))
         await _until(lambda: archiver.archived == 1, "the first reward archived")
         consumer = consumer_for(run, ConsumerRole.ARCHIVER, REWARDS)
         with _seaweed_stopped(settings):
@@ -314,7 +315,7 @@ async def test_an_s3_outage_during_a_flush_acks_nothing_unwritten_and_resumes(ev
             await _until(lambda: archiver.waits.retries[WaitState.S3_UNAVAILABLE] >= 3, "three retries of the PUT")
             assert ("rewards", WaitState.S3_UNAVAILABLE) in archiver.waits.waiting
             info = await event_log.js.consumer_info(REWARDS.name, consumer.name)
-            assert info.ack_floor.stream_seq == 1  # nothing acked past the one reward written before
+            assert info.ack_floor.stream_seq == first.seq  # nothing acked past the reward written before
             assert info.num_ack_pending + info.num_pending == 20
             assert not task.done()
         await _until(lambda: archiver.archived == 21, "the rewards archived after the outage")

@@ -3,7 +3,8 @@
 Every message ends one of three ways:
 - an event: buffered as a row, written with its flush, then acked;
 - poison (does not decode, unknown type, invalid, on a subject its body disagrees with, a claim
-  check whose blob is missing or corrupt or in a bucket that does not exist): dead-lettered first
+  check whose blob is missing or corrupt, or that points outside the run's claims, e.g. at a
+  bucket that does not exist: `EventLog.resolve` says which): dead-lettered first
   (`pipeline.dead_letter`; a message of the DEADLETTER stream itself never is), then buffered as an
   `undecodable` row with the reason and class, written and acked like any other;
 - neither, because something did not answer (the object store for a PUT or a claim-check GET, the
@@ -198,13 +199,12 @@ class StreamArchiver:
             )
         except PoisonEvent as exc:
             reason, error_class = exc.message, exc.error_class
-        except (BlobAccessDenied, BlobStoreUnavailable):  # our credentials, or an outage we gave up on: fatal
+        except (BlobAccessDenied, BlobStoreUnavailable, BucketNotFound):
+            # Our credentials refused, an outage we gave up on, or our own bucket gone (resolve fetches
+            # only from the run's claims prefix; a pointer elsewhere is poison there): fatal.
             raise
-        except BlobStoreError as exc:
-            # The store answered "no" about the claim check's own pointer (a bucket that does not
-            # exist, a name it refuses): the claim points nowhere, for good.
-            reason = exc.message
-            error_class = "claim_check_missing" if isinstance(exc, BucketNotFound) else "claim_check_unreadable"
+        except BlobStoreError as exc:  # the store refused this one pointer (a key it will not serve): for good
+            reason, error_class = exc.message, "claim_check_unreadable"
         else:
             return type(event).type_tag(), event_row(self.stream, msg, event)
         await self._dead_letter(msg, reason, error_class, stop)
