@@ -195,9 +195,10 @@ class Consumer:
             except PoisonEvent as exc:
                 await self._dead_letter(msg, exc.message, exc.error_class, run_id=None)
                 return
-            except BucketNotFound as exc:  # a claim check naming a bucket that does not exist never resolves
-                await self._dead_letter(msg, exc.message, "claim_check_missing", run_id=None)
-                return
+            except BucketNotFound:
+                # `resolve` only reads claims under this run's own prefix (a pointer elsewhere is poison), so
+                # this is our own store's bucket gone: fatal configuration, not the message's fault.
+                raise
             except SprawlError as exc:  # the blob store is down or refuses us: try again later
                 await self._retry_later(msg, delivered, exc, run_id=None)
                 return

@@ -276,6 +276,9 @@ CONSUMERS: tuple[DurableConsumer, ...] = (
             f"archiver: every event of {stream.name}",
             per_stream=True,
             max_ack_pending=ARCHIVER_MAX_ACK_PENDING,
+            # Every message must reach the archive, however often a crashing archiver was handed it: no
+            # delivery limit (poison is archived as undecodable and dead-lettered, never left behind).
+            max_deliver=-1,
         )
         for stream in STREAMS
     ),

@@ -163,7 +163,9 @@ async def test_the_log_or_store_down_pauses_fetching_instead_of_burning_deliveri
     assert await dead_letters(event_log, settings.run_id) == []
 
 
-async def test_a_claim_check_in_a_missing_bucket_is_dead_lettered_at_once(event_log, settings):
+async def test_a_claim_check_into_another_bucket_is_dead_lettered_at_once(event_log, settings):
+    """Refused before any GET (a forged pointer must not make readers fetch what it names); before, a
+    missing bucket surfaced as a fatal BucketNotFound in whichever reader met it."""
     big = trajectory(settings.run_id, "big-lost-bucket", 20_000)
     result = await event_log.append(big)
     claim = json.loads((await event_log.js.get_msg("TRAJECTORIES", result.seq)).data)
@@ -173,7 +175,7 @@ async def test_a_claim_check_in_a_missing_bucket_is_dead_lettered_at_once(event_
     consumer = _consumer(event_log, settings, _noop)
     await run_until(consumer, lambda: consumer.stats.dead_lettered == 1)
     (letter,) = await dead_letters(event_log, settings.run_id)
-    assert letter.error_class == "claim_check_missing"
+    assert letter.error_class == "claim_check_foreign"
     assert letter.num_delivered == 1 and "no-such-bucket" in letter.reason
 
 

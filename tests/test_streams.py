@@ -124,7 +124,7 @@ def test_every_declared_consumer_has_an_owner_that_binds_it():
     owners = {
         ConsumerRole.SAMPLERS: "workers/sampler/worker.py",
         ConsumerRole.REWARDS: "workers/rewards/worker.py",
-        ConsumerRole.ARCHIVER: "workers/archiver.py",
+        ConsumerRole.ARCHIVER: "workers/archiver/stream.py",
     }
     assert {c.role for c in CONSUMERS} == set(owners)
     for role, path in owners.items():
@@ -214,10 +214,13 @@ async def test_declared_consumers_bound_redelivery(event_log, settings):
     for consumer in consumers_of_run(settings.run_id):
         config = (await event_log.js.consumer_info(consumer.stream.name, consumer.name)).config
         assert config.ack_policy == api.AckPolicy.EXPLICIT
-        assert config.max_deliver == settings.streams.max_deliver
-        assert config.backoff and config.max_ack_pending == (
-            consumer.max_ack_pending or settings.streams.max_ack_pending
-        )
+        assert config.max_ack_pending == (consumer.max_ack_pending or settings.streams.max_ack_pending)
+        if consumer.role == ConsumerRole.ARCHIVER:
+            # Unlimited: every message must reach the archive; the ack wait brings a killed archiver's back.
+            assert config.max_deliver == -1 and not config.backoff
+            assert config.ack_wait == settings.streams.ack_wait_s
+        else:
+            assert config.max_deliver == settings.streams.max_deliver and config.backoff
 
 
 @pytest.mark.integration
