@@ -125,6 +125,8 @@ class RunLease:
         finally:
             if attempt is not None and not attempt.done():
                 attempt.cancel()  # not awaited: nats-py may turn the cancellation into a retried timeout
+                # ... so whatever it ends with is collected here, not reported as "never retrieved".
+                attempt.add_done_callback(lambda t: t.cancelled() or t.exception())
         raise LeaseLost(self.run_id, self.holder, self.expires_at - time.time(), last_error)
 
     async def _renew_adopting_our_own(self) -> None:

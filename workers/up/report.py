@@ -26,6 +26,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator, PercentFormatter
 
 from pipeline.audit import query
+from pipeline.sql import printable
 
 REPORT_FILE_NAME = "report.html"
 
@@ -361,16 +362,18 @@ def _dead_letters(con, views) -> Section:
     latest = query(
         con,
         views,
-        """SELECT produced_at, stream, consumer, error_class, original_subject, left(reason, 160)
+        """SELECT produced_at, stream, consumer, error_class, original_subject, reason
            FROM dead_letters ORDER BY produced_at DESC LIMIT 20""",
     )
+    # Subjects and reasons carry bytes a hostile producer chose: escaped and cut before they reach the page.
+    shown = [(*row[:4], printable(row[4].encode(), 120), printable(row[5].encode(), 160)) for row in latest.fetchall()]
     return Section(
         slug,
         title,
         fig,
         note=f"{total} message(s) were refused for good; `sprawl audit dead-letters` lists them all.",
         alert=True,
-        table_html=_table(latest.columns, latest.fetchall()),
+        table_html=_table(latest.columns, shown),
     )
 
 
