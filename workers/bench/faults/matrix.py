@@ -131,6 +131,25 @@ async def _wait_for_loop(fleet: Fleet, trajectory_mark: int, guard_s: float) -> 
     return False
 
 
+async def _wait_for_islands(fleet: Fleet, fault_end: datetime | None, guard_s: float) -> float | None:
+    """Seconds from the fault's end until every island serves a version again (None: not within
+    `guard_s`; the judgement then names the island that does not)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + guard_s
+    while loop.time() < deadline:
+        fleet.check_workers_alive()
+        try:
+            islands = await islands_serving(fleet.event_log, fleet.run_id, fleet.island_dirs())
+        except LOG_TROUBLE:
+            islands = []
+        if islands and all(i.version is not None for i in islands):
+            if fault_end is None:
+                return 0.0
+            return round(max(0.0, (datetime.now(fault_end.tzinfo) - fault_end).total_seconds()), 2)
+        await asyncio.sleep(0.5)
+    return None
+
+
 async def _settle_and_judge(
     fleet: Fleet,
     *,
@@ -211,6 +230,9 @@ async def run_fault(
         head = await _head_after_fault(fleet, guard_s)
         mark = await _trajectory_mark(fleet, guard_s)
         recovered = await fleet.wait_for_version(head + 1, guard_s) and await _wait_for_loop(fleet, mark, guard_s)
+        # Every island serves again before judging: a restarted island still loading its model is not yet
+        # evidence of anything, and the loop can go round on the other islands alone.
+        islands_back_s = await _wait_for_islands(fleet, fault_end, guard_s)
         findings, recovery = await _settle_and_judge(
             fleet, seen_before=seen_before, guard_s=guard_s, fault_end=fault_end, trajectory_mark=mark
         )
@@ -218,6 +240,7 @@ async def run_fault(
             findings.details["stalled"] = (
                 f"no version trained on trajectories sampled after the fault within {guard_s:.0f}s (head was v{head})"
             )
+        findings.details["islands_back_s"] = islands_back_s
         findings.details["run_id"] = fleet.run_id
         return FaultResult(fault.name, findings.lost, findings.duplicated, recovery, findings.details)
     finally:
