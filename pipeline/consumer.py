@@ -45,6 +45,7 @@ from pipeline.errors import (
 )
 from pipeline.eventlog import NO_ANSWER, EventLog
 from pipeline.logs import get_logger
+from pipeline.replay import STREAM_MISSING_GRACE_S
 from schemas import Event
 
 log = get_logger(__name__)
@@ -123,6 +124,7 @@ class Consumer:
         self._backoff: list[float] = []
         self._ack_wait = 30.0
         self._sub = None
+        self._missing_since: float | None = None
 
     async def bind(self) -> None:
         """Bind to the declared consumer; never creates one.
@@ -167,12 +169,14 @@ class Consumer:
             except TimeoutError:  # nats-py raises its own subclass or a bare asyncio timeout
                 continue
             except nats.js.errors.NotFoundError as exc:
-                raise ConsumerNotDeclared(self.stream, self.durable) from exc
+                await self._missing(exc)
+                continue
             except (*_TRANSIENT_NATS, nats.js.errors.ServiceUnavailableError, nats.js.errors.APIError) as exc:
                 log.warning("fetch failed, retrying", consumer=self.durable, error=repr(exc))
                 await asyncio.sleep(0.5)
                 await self._rebind_if_missing()
                 continue
+            self._missing_since = None
             await asyncio.gather(*(self._handle_slot(m) for m in msgs))
 
     async def _rebind_if_missing(self) -> None:
@@ -180,7 +184,23 @@ class Consumer:
             try:
                 await self.log.js.consumer_info(self.stream, self.durable)
             except nats.js.errors.NotFoundError as exc:
-                raise ConsumerNotDeclared(self.stream, self.durable) from exc
+                await self._missing(exc)
+
+    async def _missing(self, exc: Exception) -> None:
+        """The server says our consumer (or its stream) does not exist. Right after a restart JetStream
+        says so while it still restores them (seen under load): believed only after
+        STREAM_MISSING_GRACE_S, then ConsumerNotDeclared (fatal: nothing but `sprawl infra apply` fixes it)."""
+        now = time.monotonic()
+        if self._missing_since is None:
+            self._missing_since = now
+        if now - self._missing_since >= STREAM_MISSING_GRACE_S:
+            raise ConsumerNotDeclared(self.stream, self.durable) from exc
+        log.warning(
+            "the server does not report our consumer; waiting in case it is restoring its streams",
+            consumer=self.durable,
+            missing_s=round(now - self._missing_since, 1),
+        )
+        await asyncio.sleep(1.0)
 
     async def _handle_slot(self, msg: Msg) -> None:
         async with self._slots:

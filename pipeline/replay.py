@@ -133,6 +133,10 @@ FOLLOWER_INACTIVE_THRESHOLD_S = 300.0
 server. Longer than any outage a reader rides out, so a live reader finds its consumer again."""
 
 OUTAGE_WARNING_EVERY_S = 10.0
+STREAM_MISSING_GRACE_S = 30.0
+"""How long a stream a follower has already read from may be reported missing before that is believed:
+a restarted nats-server answers "stream not found" while JetStream is still restoring its streams
+(seen under load), which is an outage, not a deleted stream."""
 """While the log does not answer, a follower repeats its warning (with how long it has lasted) this often."""
 
 
@@ -177,6 +181,7 @@ class Follower:
         self.recreated = 0
         """How often the consumer was created again, after a loss or an outage (the first creation does not count)."""
         self._created_once = False
+        self._missing_since: float | None = None
         self.down_since: float | None = None
         """Monotonic time since which the log has not answered; None while it answers."""
         self._sub = None
@@ -231,11 +236,19 @@ class Follower:
         try:
             await self._create()
         except nats.js.errors.NotFoundError as exc:
-            raise StreamNotDeclared(self.subject_filter) from exc
+            if not self._created_once:
+                raise StreamNotDeclared(self.subject_filter) from exc  # never there: a configuration error
+            if self._missing_since is None:
+                self._missing_since = time.monotonic()
+            if time.monotonic() - self._missing_since >= STREAM_MISSING_GRACE_S:
+                raise StreamNotDeclared(self.subject_filter) from exc
+            await self._wait_out(exc, stop)  # a restarted server still restoring its streams
+            return False
         except (*NO_ANSWER, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as exc:
             _raise_if_cancelled()
             await self._wait_out(exc, stop)
             return False
+        self._missing_since = None
         self._answered()
         return True
 
