@@ -33,6 +33,11 @@ test *ARGS:
 test-all *ARGS:
     python -m pytest -m "not gpu" {{ARGS}}
 
+# the fault suite alone, the whole matrix included (each worker SIGKILLed, nats-server killed and
+# down for 60 s, SeaweedFS stopped, a corrupt patch, every bad-event class; about 15 minutes)
+test-faults *ARGS:
+    python -m pytest tests/faults -m "not gpu" {{ARGS}}
+
 # vLLM and SGLang checks on a GPU machine (starts both engines on a tiny keyframe; < 8 minutes)
 test-gpu:
     infra/gpu_check.sh
