@@ -113,6 +113,7 @@ class RunLease:
                         last_error = exc
                 else:
                     last_error = TimeoutError(f"no answer within {left:.1f}s")
+                    _abandon(attempt)
                 attempt = None
                 log.warning(
                     "lease renewal failed, retrying",
@@ -124,9 +125,7 @@ class RunLease:
                 delay = min(delay * 2, 2.0)
         finally:
             if attempt is not None and not attempt.done():
-                attempt.cancel()  # not awaited: nats-py may turn the cancellation into a retried timeout
-                # ... so whatever it ends with is collected here, not reported as "never retrieved".
-                attempt.add_done_callback(lambda t: t.cancelled() or t.exception())
+                _abandon(attempt)
         raise LeaseLost(self.run_id, self.holder, self.expires_at - time.time(), last_error)
 
     async def _renew_adopting_our_own(self) -> None:
@@ -141,3 +140,10 @@ class RunLease:
             self._seq = last.stream_seq
             self.expires_at = max(self.expires_at, last.event.expires_at)
             await self._renew(self._seq)
+
+
+def _abandon(attempt: asyncio.Future) -> None:
+    """Cancel a renewal attempt without awaiting it (nats-py may turn the cancellation into a retried
+    timeout), and collect whatever it ends with, so it is not reported as "never retrieved"."""
+    attempt.cancel()
+    attempt.add_done_callback(lambda t: t.cancelled() or t.exception())

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# Imported now, not by hypothesis's own plugin at the end of a session that never used it: that late
+# import compiles hypothesis deep inside pytest's hooks, where CPython 3.11.7 can fail with "AST
+# constructor recursion depth mismatch" and turn a passing run's exit code into 1.
+import hypothesis  # noqa: F401
 import pytest
 
 from infra import stack

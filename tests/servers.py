@@ -8,7 +8,9 @@ Stop it with `stack.down(settings)`, by the pids recorded under its state dir.
 
 from __future__ import annotations
 
+import fcntl
 import random
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -57,13 +59,28 @@ _FIXED_PORTS = range(22010, 30000)
 _FIXED_SEAWEED_BASES = range(10000, 12000)  # base..base+8 and base+10007 (20007-22006)
 
 
+_PORT_LOCKS = Path(tempfile.gettempdir()) / "sprawl-test-ports"
+_held_port_locks: list = []  # open lock files: a port stays reserved for as long as this test process lives
+
+
 def free_port() -> int:
-    """A port free at this moment. Racy (another process can take it before a server binds it):
-    prefer `start_stack`."""
+    """A port free at this moment, and reserved for this process: an flock on a per-port file keeps
+    every other test process (parallel suites) from choosing it, even while our server is down on
+    purpose (a restart or outage test) and the port looks free. Still racy against processes that do
+    not take the lock: prefer `start_stack`."""
+    _PORT_LOCKS.mkdir(exist_ok=True)
     for _ in range(200):
         port = random.choice(_FIXED_PORTS)
+        lock = open(_PORT_LOCKS / f"{port}.lock", "a+")  # noqa: SIM115 - held open on purpose
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
         if stack.port_is_free(port):
+            _held_port_locks.append(lock)
             return port
+        lock.close()
     raise RuntimeError("no free port found")
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -90,7 +91,9 @@ def private_stack(tmp_path):
     (from a range no automatic choice uses); everything else binds a free port as it starts. A fixed
     port taken by someone else in the meantime is retried with another one."""
     for attempt in range(5):
-        settings = auto_stack_settings(tmp_path / f"state{attempt}", nats_port=free_port())
+        settings = auto_stack_settings(
+            tmp_path / f"state{attempt}", run_id=f"t{uuid.uuid4().hex[:10]}", nats_port=free_port()
+        )
         try:
             settings = stack.with_endpoints(settings, stack.up(settings))
             break

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -52,7 +53,12 @@ def own_stack(tmp_path):
     its ports are fixed (from a range no automatic choice uses); a port taken meanwhile is retried."""
     for attempt in range(5):
         settings = auto_stack_settings(
-            tmp_path / f"state{attempt}", nats_port=free_port(), nats_monitor_port=free_port()
+            tmp_path / f"state{attempt}",
+            # A run id of its own: a client that strays onto another suite's server on a reused port finds
+            # nothing of its run and fails loudly, instead of training that suite's identical groups.
+            run_id=f"t{uuid.uuid4().hex[:10]}",
+            nats_port=free_port(),
+            nats_monitor_port=free_port(),
         )
         try:
             settings = stack.with_endpoints(settings, stack.up(settings))
