@@ -205,3 +205,32 @@ async def test_sigkill_mid_group_is_finished_by_another_island(event_log, settin
     trajectories = await _trajectories(event_log, settings)
     assert sorted(t.trajectory_id for t in trajectories) == ["victim-0", "victim-1"]
     assert {t.island.island_id for t in trajectories} == {"island-fp8_e4m3"}
+
+
+async def test_a_prompt_group_whose_trajectories_are_all_in_the_log_is_not_generated_again(
+    event_log, settings, tmp_path
+):
+    """A sampler killed between publishing a group's trajectories and acking it gets the group again:
+    the log (one subject per trajectory id) says it is done, so it is acked without generating."""
+    from tests.events import trajectory
+
+    worker = _sampler(event_log, settings, tmp_path, "bf16")
+    done, partial = _group(settings, "resampled-done", n=2), _group(settings, "resampled-partial", n=2)
+    for index in range(2):
+        await event_log.append(trajectory(settings.run_id, f"resampled-done-{index}", 3, group="resampled-done"))
+    await event_log.append(trajectory(settings.run_id, "resampled-partial-0", 3, group="resampled-partial"))
+    assert await worker._already_sampled(done)
+    assert not await worker._already_sampled(partial)
+    # Handled end to end: acked without touching the engine (this island has no version to serve at all).
+    delivered = await event_log.append(done)
+
+    class _Delivery:
+        event = done
+        subject = delivered.subject
+
+    await worker.handle(_Delivery())
+    assert worker.groups_done == 0
+    assert [t.trajectory_id for t in await _trajectories(event_log, settings) if t.group_id == "resampled-done"] == [
+        "resampled-done-0",
+        "resampled-done-1",
+    ]

@@ -19,8 +19,10 @@ import xxhash
 from pipeline.consumer import Consumer, Delivery
 from pipeline.errors import PoisonEvent, TransientError
 from pipeline.eventlog import NO_ANSWER, EventLog
+from pipeline.log_lookup import count_subjects
 from pipeline.logs import get_logger
-from pipeline.topology import ConsumerRole, consumer_for
+from pipeline.subjects import group_trajectories_filter
+from pipeline.topology import TRAJECTORIES, ConsumerRole, consumer_for
 from schemas import IslandHeartbeat, PromptGroup, Trajectory
 from workers.lifecycle import first_to_end, raise_if_cancelled, run_beside, run_connected
 from workers.sampler.engines.base import GenerateRequest, Sample
@@ -58,6 +60,9 @@ class SamplerWorker:
         group = delivery.event
         if not isinstance(group, PromptGroup):
             raise PoisonEvent(f"expected a prompt group, got {type(group).type_tag()}", error_class="wrong_event")
+        if await self._already_sampled(group):
+            log.info("prompt group already sampled: acked without generating again", group_id=group.group_id)
+            return
         try:
             await self.island.ensure_version(group.accepts, self.settings.max_staleness)
         except VersionUnreachable as exc:
@@ -81,6 +86,19 @@ class SamplerWorker:
             await self.log.append(self._trajectory(group, index, sample, identity))
             self.tokens += len(sample.output_token_ids)
         self.groups_done += 1
+
+    async def _already_sampled(self, group: PromptGroup) -> bool:
+        """Whether the log holds all of this group's trajectories: a redelivery after a sampler was killed
+        between publishing them and acking (or a republished group) is not generated again. Trajectory
+        ids are `<group>-<index>`, one subject each, so the server counts them. A count the log does not
+        answer is "no": generating again is only wasted work, the appends dedup."""
+        try:
+            held = await count_subjects(
+                self.log, TRAJECTORIES.name, group_trajectories_filter(group.run_id, group.group_id)
+            )
+        except TransientError:
+            return False
+        return held >= group.n_samples
 
     def _trajectory(self, group: PromptGroup, index: int, sample: Sample, identity) -> Trajectory:
         return Trajectory(
