@@ -79,7 +79,7 @@ def test_a_restarted_workers_reason_is_the_last_line_it_printed_and_its_restarts
     supervisor = Supervisor(tmp_path, backoff_initial_s=0.05, backoff_max_s=0.1, healthy_after_s=60)
     code = (
         "import os, sys\n"
-        "print('{\"event\": \"loading\", \"level\": \"info\"}', flush=True)\n"
+        'print(\'{"event": "loading", "level": "info"}\', flush=True)\n'
         "n = len(open(sys.argv[1]).read()) if os.path.exists(sys.argv[1]) else 0\n"
         "open(sys.argv[1], 'a').write('x')\n"
         "print(f'sprawl: error: the log did not answer (attempt {n})', file=sys.stderr)\n"
