@@ -8,6 +8,7 @@ Stop it with `stack.down(settings)`, by the pids recorded under its state dir.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import random
 import tempfile
@@ -15,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from infra import stack
-from infra.stack import StackSection, StackSettings
+from infra.stack import StackError, StackSection, StackSettings
 from pipeline.config import LogSettings, NatsSettings, S3BlobSettings, StreamSettings
 
 # Short timers so redelivery happens within a test, not after 30 s.
@@ -119,3 +120,27 @@ def stack_settings(state_dir: Path, run_id: str = "test") -> StackSettings:
 
 def new_run_id() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+@contextlib.contextmanager
+def restartable_stack(tmp_path: Path, *, monitor_port_fixed: bool = False):
+    """A stack of our own whose nats-server a test kills and starts again on the same port(s), so those
+    ports are fixed (`free_port`: reserved across test processes); everything else binds a free port.
+    A fixed port taken meanwhile is retried with another. Its run id is its own: a client that strays
+    onto another suite's server on a reused port finds nothing of its run and fails loudly, instead of
+    training that suite's identical groups."""
+    for attempt in range(5):
+        ports = {"nats_port": free_port(), **({"nats_monitor_port": free_port()} if monitor_port_fixed else {})}
+        settings = auto_stack_settings(tmp_path / f"state{attempt}", run_id=f"t{uuid.uuid4().hex[:10]}", **ports)
+        try:
+            settings = stack.with_endpoints(settings, stack.up(settings))
+            break
+        except StackError as exc:
+            if "already in use" not in str(exc) and "exited during start-up" not in str(exc):
+                raise
+    else:
+        raise AssertionError("no free fixed ports for nats-server in 5 attempts")
+    try:
+        yield settings
+    finally:
+        stack.down(settings)

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -17,11 +16,10 @@ from infra import stack
 from infra.streams import apply
 from pipeline.blobstore import S3BlobStore
 from pipeline.consumer import Consumer
-from pipeline.errors import StackError
 from pipeline.eventlog import EventLog
 from tests.events import trajectory
 from tests.ledger_consumer import ledger_handler
-from tests.servers import HANG_GUARD_S, auto_stack_settings, free_port
+from tests.servers import HANG_GUARD_S, restartable_stack
 
 pytestmark = pytest.mark.integration
 
@@ -87,25 +85,9 @@ async def test_sigkill_mid_handler_redelivers_and_applies_once(event_log, settin
 
 @pytest.fixture
 def private_stack(tmp_path):
-    """A stack of our own: this test restarts its nats-server, on the same port, so that port is fixed
-    (from a range no automatic choice uses); everything else binds a free port as it starts. A fixed
-    port taken by someone else in the meantime is retried with another one."""
-    for attempt in range(5):
-        settings = auto_stack_settings(
-            tmp_path / f"state{attempt}", run_id=f"t{uuid.uuid4().hex[:10]}", nats_port=free_port()
-        )
-        try:
-            settings = stack.with_endpoints(settings, stack.up(settings))
-            break
-        except StackError as exc:
-            if "already in use" not in str(exc) and "exited during start-up" not in str(exc):
-                raise
-    else:
-        raise AssertionError("no free fixed port for nats-server in 5 attempts")
-    try:
+    """A stack whose nats-server is restarted on the same port."""
+    with restartable_stack(tmp_path) as settings:
         yield settings
-    finally:
-        stack.down(settings)
 
 
 def _restart_nats(settings) -> None:

@@ -12,14 +12,13 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
 from infra import stack
 from infra.streams import apply
 from pipeline.blobstore import S3BlobStore
-from pipeline.errors import StackError, WorkerPartFailed
+from pipeline.errors import WorkerPartFailed
 from pipeline.eventlog import EventLog
 from pipeline.lease import LeaseLost
 from pipeline.log_lookup import count_subjects
@@ -29,7 +28,7 @@ from pipeline.topology import DEADLETTER, METRICS, PROMPTS, REWARDS, TRAINER, TR
 from pipeline.version_log import fetch_version
 from schemas import PromptGroup, TrainerMetrics
 from tests.events import trajectory
-from tests.servers import HANG_GUARD_S, auto_stack_settings, free_port
+from tests.servers import HANG_GUARD_S, restartable_stack
 from tests.test_stalled_log import nats_stalled
 from tests.trainer_data import GROUP_SIZE, make_groups, write_initial_model
 from workers.rewards.worker import RewardSettings, RewardWorker
@@ -49,29 +48,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def own_stack(tmp_path):
-    """A stack of our own whose nats-server is killed and started again on the same ports, so both of
-    its ports are fixed (from a range no automatic choice uses); a port taken meanwhile is retried."""
-    for attempt in range(5):
-        settings = auto_stack_settings(
-            tmp_path / f"state{attempt}",
-            # A run id of its own: a client that strays onto another suite's server on a reused port finds
-            # nothing of its run and fails loudly, instead of training that suite's identical groups.
-            run_id=f"t{uuid.uuid4().hex[:10]}",
-            nats_port=free_port(),
-            nats_monitor_port=free_port(),
-        )
-        try:
-            settings = stack.with_endpoints(settings, stack.up(settings))
-            break
-        except StackError as exc:
-            if "already in use" not in str(exc) and "exited during start-up" not in str(exc):
-                raise
-    else:
-        raise AssertionError("no free fixed ports for nats-server in 5 attempts")
-    try:
+    """A stack whose nats-server (both its ports fixed) is killed and started again."""
+    with restartable_stack(tmp_path, monitor_port_fixed=True) as settings:
         yield settings
-    finally:
-        stack.down(settings)
 
 
 def _kill_nats(settings) -> None:
