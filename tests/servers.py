@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import random
+import signal
 import tempfile
 import uuid
 from pathlib import Path
@@ -144,3 +146,17 @@ def restartable_stack(tmp_path: Path, *, monitor_port_fixed: bool = False):
         yield settings
     finally:
         stack.down(settings)
+
+
+@contextlib.contextmanager
+def server_stopped(settings: StackSettings, name: str):
+    """SIGSTOP one of the stack's servers (`nats` or `seaweedfs`): its sockets stay open and nothing
+    answers, a real stall rather than a refusal; SIGCONT on the way out."""
+    status = stack.status(settings)
+    assert status is not None
+    pid = next(s.pid for s in status.servers if s.name == name)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)

@@ -5,7 +5,6 @@ several points that lose no row and write none twice."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import json
@@ -20,7 +19,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from infra import stack
 from infra.streams import apply
 from pipeline.blobstore import open_blob_store
 from pipeline.errors import BlobStoreUnavailable, PoisonEvent
@@ -39,7 +37,7 @@ from schemas import ClaimCheck, IslandHeartbeat, IslandIdentity, Reward
 from schemas.archive import ROW_COLUMNS, UNDECODABLE, ArchiveKey, parquet_glob, run_prefix
 from schemas.codec import encode_event
 from schemas.events import CURRENT_EVENTS
-from tests.servers import HANG_GUARD_S, new_run_id
+from tests.servers import HANG_GUARD_S, new_run_id, server_stopped
 from workers.archiver import Archiver, ArchiverSettings, ArchiveSection, drain_once
 from workers.archiver.progress import ArchivedSeqs
 from workers.archiver.rows import archive_files
@@ -134,19 +132,6 @@ async def _until(condition, what: str) -> None:
             return
         assert time.monotonic() < deadline, f"gave up waiting for {what}"
         await asyncio.sleep(0.1)
-
-
-@contextlib.contextmanager
-def _seaweed_stopped(settings):
-    """SIGSTOP the session's SeaweedFS: connections open, nothing answers (an outage, not a refusal)."""
-    status = stack.status(settings)
-    assert status is not None
-    pid = next(s.pid for s in status.servers if s.name == "seaweedfs")
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
 
 
 def _env(settings, run_id: str, **archive) -> dict[str, str]:
@@ -309,7 +294,7 @@ async def test_an_s3_outage_during_a_flush_acks_nothing_unwritten_and_resumes(ev
         first = await event_log.append(_reward(run, 0))
         await _until(lambda: archiver.archived == 1, "the first reward archived")
         consumer = consumer_for(run, ConsumerRole.ARCHIVER, REWARDS)
-        with _seaweed_stopped(settings):
+        with server_stopped(settings, "seaweedfs"):
             for i in range(1, 21):
                 await event_log.append(_reward(run, i))
             await _until(lambda: archiver.waits.retries[WaitState.S3_UNAVAILABLE] >= 3, "three retries of the PUT")

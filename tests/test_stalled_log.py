@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
 
 import pytest
 
-from infra import stack
 from pipeline.errors import LogUnavailable
 from pipeline.lease import LeaseHeld, RunLease
 from pipeline.log_lookup import last_event_on
@@ -17,21 +13,14 @@ from pipeline.subjects import trainer_lease_subject
 from pipeline.topology import TRAINER
 from pipeline.version_log import VersionNotAvailable, wait_for_version
 from schemas import TrainerLease
+from tests.servers import server_stopped
 
 pytestmark = pytest.mark.integration
 
 
-@contextlib.contextmanager
 def nats_stalled(settings):
     """SIGSTOP the session's nats-server (a real stall: the socket stays open, nothing answers)."""
-    status = stack.status(settings)
-    assert status is not None
-    pid = next(s.pid for s in status.servers if s.name == "nats")
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    return server_stopped(settings, "nats")
 
 
 async def test_a_fresh_lease_of_another_holder_refuses_the_start(event_log, settings):
