@@ -55,6 +55,17 @@ def token(value: str, what: str) -> str:
     return lowered
 
 
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching, as the server does it: `*` is one token, `>` one or more trailing tokens."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, part in enumerate(want):
+        if part == ">":
+            return len(have) > i
+        if i >= len(have) or (part != "*" and part != have[i]):
+            return False
+    return len(want) == len(have)
+
+
 def run_subject(run: str, kind: Kind, *qualifiers: str) -> str:
     """`rl.<run>.<kind>[.<qualifier>...]`; `run` is a validated token or ANY_RUN, qualifiers are already tokens."""
     return ".".join((SUBJECT_ROOT, run, kind.value, *qualifiers))

@@ -24,6 +24,7 @@ from pipeline.topology import (
     consumers_of_run,
     retired_consumers,
     stream_named,
+    subject_matches,
 )
 from schemas import (
     DeadLetter,
@@ -41,17 +42,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------- the declarations
-
-
-def _matches(pattern: str, subject: str) -> bool:
-    """NATS subject matching: `*` is one token, `>` one or more trailing tokens."""
-    want, have = pattern.split("."), subject.split(".")
-    for i, token in enumerate(want):
-        if token == ">":
-            return len(have) > i
-        if i >= len(have) or (token != "*" and token != have[i]):
-            return False
-    return len(want) == len(have)
 
 
 def _one_event_of_each_type(run: str) -> list:
@@ -87,11 +77,11 @@ def _one_event_of_each_type(run: str) -> list:
 def test_every_event_subject_lands_in_exactly_one_stream():
     for event in _one_event_of_each_type("r1"):
         subject = subject_for(event)
-        holders = [s.name for s in STREAMS if any(_matches(p, subject) for p in s.subjects)]
+        holders = [s.name for s in STREAMS if any(subject_matches(p, subject) for p in s.subjects)]
         assert len(holders) == 1, (type(event).type_tag(), subject, holders)
         stream = stream_named(holders[0])
-        assert _matches(stream.run_filter("r1"), subject) and any(
-            _matches(p, subject) for p in stream.run_subjects("r1")
+        assert subject_matches(stream.run_filter("r1"), subject) and any(
+            subject_matches(p, subject) for p in stream.run_subjects("r1")
         )
 
 

@@ -6,9 +6,9 @@ from datetime import UTC, datetime, timedelta
 
 import msgspec
 
+from pipeline.topology import subject_matches
 from schemas.lineage import Lineage, LineageGroup, LineageMember
 from tests.events import policy_version, reward, trajectory
-from workers.bench.faults.bad_events import subject_matches
 from workers.bench.faults.invariants import judge_log_and_archive, loop_recovery_seconds, recovery_seconds
 from workers.bench.faults.ledger import ArchivedRow, LoggedMessage
 

@@ -29,7 +29,7 @@ from nats.js import api
 
 from pipeline.eventlog import CLAIM_CHECK_HEADER, EVENT_TYPE_HEADER, EventLog
 from pipeline.subjects import policy_subject, prompts_subject, subject_for
-from pipeline.topology import DEADLETTER, STREAMS, Stream
+from pipeline.topology import DEADLETTER, STREAMS, Stream, subject_matches
 from schemas import ClaimCheck, PolicyVersion, Reward, TrainerMetrics, Trajectory, decode_event, encode_event
 from workers.bench.faults.ledger import LoggedMessage, scan_stream
 
@@ -189,17 +189,6 @@ async def publish(event_log: EventLog, forged: Forged) -> Published:
     if ack.duplicate:
         return Published(forged, at, stream, ack.seq, refused="deduplicated by the server (same msg id)")
     return Published(forged, at, stream, ack.seq)
-
-
-def subject_matches(pattern: str, subject: str) -> bool:
-    """NATS subject matching: `*` one token, `>` one or more trailing tokens."""
-    want, have = pattern.split("."), subject.split(".")
-    for i, token in enumerate(want):
-        if token == ">":
-            return len(have) > i
-        if i >= len(have) or (token != "*" and token != have[i]):
-            return False
-    return len(want) == len(have)
 
 
 async def _readers(event_log: EventLog, stream: Stream, subject: str) -> list[api.ConsumerInfo]:
