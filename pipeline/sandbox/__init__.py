@@ -74,6 +74,8 @@ class SandboxSettings(Section):
     """Wall clock from submission; the whole sandbox is killed when it passes."""
     max_output_bytes: int = Field(64 * 1024, ge=1)
     """stdout and stderr are each cut (and the program killed) past this."""
+    max_result_bytes: int = Field(256 * 1024, ge=1)
+    """The private result channel (`SandboxResult.channel`) is cut (and the program killed) past this."""
     pool_size: int = Field(4, ge=0)
     """Warm sandboxes kept ready: size it to the rollout concurrency (0: every program starts a
     sandbox cold)."""
@@ -142,6 +144,9 @@ class SandboxResult:
     """The kernel stopped it for passing RLIMIT_CPU (SIGXCPU, or SIGKILL at the hard limit)."""
     cpu_seconds: float | None = None
     """CPU time the kernel accounted to the program (None where the backend cannot tell)."""
+    channel: bytes = b""
+    """What the program wrote on its private result channel (see `process.ProgramProcess`); empty
+    where the backend has none."""
 
     @property
     def error_class(self) -> str | None:

@@ -18,19 +18,23 @@ import resource
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterable
 
 from pipeline.sandbox import SandboxResult, SandboxSettings
 
 # Reads the program from stdin, then runs it as __main__: everything before is start-up paid in the pool.
+# sys.argv[1] is the number of the program's result channel (see `ProgramProcess`).
 RUNNER = "import sys; _src = sys.stdin.read(); exec(compile(_src, '<sandbox>', 'exec'), {'__name__': '__main__'})"
 
 _DRAIN_S = 5.0
 """After the program has ended, how long its pipes may take to reach EOF (a bound, not a verdict)."""
 
 
-def _limits(settings: SandboxSettings):
+def _limits(settings: SandboxSettings, before_exec: Callable[[], None] | None):
     def apply() -> None:  # runs in the child between fork and exec
         os.setsid()  # its own process group: a kill takes the group
+        if before_exec is not None:
+            before_exec()
         resource.setrlimit(resource.RLIMIT_CPU, (settings.cpu_seconds, settings.cpu_seconds + 1))
         resource.setrlimit(resource.RLIMIT_AS, (settings.memory_mb << 20, settings.memory_mb << 20))
         resource.setrlimit(resource.RLIMIT_NPROC, (settings.max_processes, settings.max_processes))
@@ -98,37 +102,60 @@ async def _ready(fd: int, *, write: bool = False) -> None:
 
 
 class ProgramProcess:
-    """A started process (bwrap, or the interpreter itself) waiting for its program on stdin."""
+    """A started process (bwrap, or the interpreter itself) waiting for its program on stdin.
 
-    def __init__(self, popen: subprocess.Popen, helper_uid: int | None = None):
+    Besides stdout and stderr, which the program shares with whatever code it runs, it gets a private
+    result channel: the write end of a pipe whose number is its last argument (`sys.argv[1]` for the
+    runner). A program that runs untrusted code closes it first (see the `code_tests` harness), so
+    what arrives on it was written by trusted code; the host reads it into `SandboxResult.channel`."""
+
+    def __init__(self, popen: subprocess.Popen, channel: int, helper_uid: int | None = None):
         assert popen.stdin is not None and popen.stdout is not None and popen.stderr is not None
         self.popen = popen
         self.pid = popen.pid
+        self.channel = channel
         self.helper_uid = helper_uid
         self._exit: tuple[int, float] | None = None  # (wait status, CPU seconds)
         self._helpers_reaped = helper_uid is None
         self._pidfd: int | None = None
         with contextlib.suppress(OSError, AttributeError):  # no pidfds (kernel < 5.3): poll instead
             self._pidfd = os.pidfd_open(self.pid)
-        for stream in (popen.stdin, popen.stdout, popen.stderr):
-            os.set_blocking(stream.fileno(), False)
+        for fd in (popen.stdin.fileno(), popen.stdout.fileno(), popen.stderr.fileno(), channel):
+            os.set_blocking(fd, False)
 
     @classmethod
     def start(
-        cls, argv: list[str], settings: SandboxSettings, env: dict[str, str], *, helper_uid: int | None = None
+        cls,
+        argv: list[str],
+        settings: SandboxSettings,
+        env: dict[str, str],
+        *,
+        helper_uid: int | None = None,
+        pass_fds: Iterable[int] = (),
+        before_exec: Callable[[], None] | None = None,
     ) -> ProgramProcess:
         """`helper_uid`: the process leaves helpers running as this uid that become our children when it
         exits (bubblewrap's PID-namespace init, with this process a child subreaper): they are reaped
-        here, and the CPU time they had reaped (the program's) is counted."""
-        popen = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            preexec_fn=_limits(settings),
-            env=env,
-        )
-        return cls(popen, helper_uid)
+        here, and the CPU time they had reaped (the program's) is counted. `pass_fds`: more descriptors
+        it inherits (bubblewrap's seccomp program). `before_exec`: runs in the child between fork and
+        exec, as this process's user (joining the sandbox's cgroup)."""
+        channel, channel_end = os.pipe2(os.O_CLOEXEC)
+        try:
+            popen = subprocess.Popen(
+                [*argv, str(channel_end)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                preexec_fn=_limits(settings, before_exec),
+                env=env,
+                pass_fds=(channel_end, *pass_fds),
+            )
+        except BaseException:
+            os.close(channel)
+            raise
+        finally:
+            os.close(channel_end)  # the program holds the only write end: EOF when it (and its children) end
+        return cls(popen, channel, helper_uid)
 
     @property
     def exited(self) -> bool:
@@ -197,6 +224,9 @@ class ProgramProcess:
             if stream is not None:
                 with contextlib.suppress(OSError):
                     stream.close()
+        if self.channel >= 0:
+            os.close(self.channel)
+            self.channel = -1
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
@@ -217,11 +247,10 @@ class ProgramProcess:
             self.popen.stdin.close()
 
     async def read_capped(self, which: str, limit: int, into: bytearray) -> bool:
-        """stdout or stderr into `into` until EOF (False), or until it passes `limit` bytes (True).
-        `into` keeps what was read even if the reader is cancelled."""
-        stream = self.popen.stdout if which == "stdout" else self.popen.stderr
-        assert stream is not None
-        fd = stream.fileno()
+        """stdout, stderr or the result channel into `into` until EOF (False), or until it passes
+        `limit` bytes (True). `into` keeps what was read even if the reader is cancelled."""
+        streams = {"stdout": self.popen.stdout, "stderr": self.popen.stderr}
+        fd = self.channel if which == "channel" else streams[which].fileno()
         while True:
             try:
                 chunk = os.read(fd, 65536)
@@ -240,19 +269,20 @@ async def run_program(proc: ProgramProcess, sandbox_id: str, program: str, setti
     """Feed `program` to a started process and collect how it ended; the caller `finish()`es it."""
     started = time.monotonic()
     deadline = started + settings.wall_timeout_s
-    stdout, stderr = bytearray(), bytearray()
+    stdout, stderr, channel = bytearray(), bytearray(), bytearray()
     feeding = asyncio.create_task(proc.feed(program.encode()))
     out = asyncio.create_task(proc.read_capped("stdout", settings.max_output_bytes, stdout))
     err = asyncio.create_task(proc.read_capped("stderr", settings.max_output_bytes, stderr))
+    result = asyncio.create_task(proc.read_capped("channel", settings.max_result_bytes, channel))
     exited = asyncio.create_task(proc.wait())
     timed_out = truncated = False
     try:
-        pending: set[asyncio.Task] = {out, err, exited}
+        pending: set[asyncio.Task] = {out, err, result, exited}
         while not exited.done():
             done, pending = await asyncio.wait(
                 pending, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
             )
-            if any(t in done and t.result() for t in (out, err)):
+            if any(t in done and t.result() for t in (out, err, result)):
                 truncated = True
                 break
             # Past the deadline it is a timeout only if it is really still running: on a loaded machine
@@ -265,9 +295,9 @@ async def run_program(proc: ProgramProcess, sandbox_id: str, program: str, setti
         status, cpu = await exited
         # Ended: its output is what reached the pipes. Bounded, though EOF follows at once in bubblewrap
         # (the PID namespace dies with the sandbox).
-        await asyncio.wait({out, err}, timeout=_DRAIN_S)
+        await asyncio.wait({out, err, result}, timeout=_DRAIN_S)
     finally:
-        tasks = (feeding, out, err, exited)
+        tasks = (feeding, out, err, result, exited)
         for task in tasks:
             task.cancel()
         # Let them unregister their descriptors before the caller closes them.
@@ -287,6 +317,7 @@ async def run_program(proc: ProgramProcess, sandbox_id: str, program: str, setti
         signal=sig,
         stdout=stdout.decode(errors="replace"),
         stderr=stderr.decode(errors="replace"),
+        channel=bytes(channel),
         duration_s=time.monotonic() - started,
         timed_out=timed_out,
         output_truncated=truncated,
