@@ -47,6 +47,21 @@ def test_sql_command_line_prints_json_rows(settings):
     assert json.loads(result.stdout) == [{"answer": 42}]
 
 
+def test_sql_table_escapes_what_could_drive_a_terminal(settings):
+    """A program's stderr or a refused payload reaches the table as escapes, never as a terminal
+    command (ESC, CSI, BEL, OSC) nor as rich markup."""
+    query = "select chr(27) || '[2J' || chr(7) || chr(155) || '[bold]x[/bold]' || chr(27) || ']0;pwned' || chr(7) as s"
+    result = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "sql", query, "--run", settings.run_id],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert r"\x1B[2J\x07\x9B[bold]x[/bold]\x1B]0;pwned\x07" in result.stdout
+    assert not any(ch in result.stdout for ch in "\x1b\x07\x9b")
+
+
 @pytest.mark.slow
 def test_bench_delta_reports_bitexact_and_the_anchor_ratios():
     result = subprocess.run(

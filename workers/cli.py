@@ -215,9 +215,16 @@ def cmd_up(options, settings) -> int:
     return result.exit_code  # 128 + the signal that stopped it (130 for Ctrl-C, 143 for SIGTERM), else 0
 
 
+_CELL_CHARS = 2000
+"""A table cell is cut past this many characters (`--format json` or `csv` for whole values)."""
+
+
 def _emit(relation, fmt: str, output: Path | None) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
+
+    from pipeline.sql import printable
 
     columns = list(relation.columns)
     if fmt == "parquet":
@@ -237,9 +244,13 @@ def _emit(relation, fmt: str, output: Path | None) -> None:
         writer.writerows(rows)
         text = buffer.getvalue()
     else:
-        table = Table(*columns)
+        table = Table()
+        for column in columns:
+            table.add_column(Text(printable(str(column).encode(), _CELL_CHARS)))
         for row in rows:
-            table.add_row(*(str(v) for v in row))
+            # Cells hold what others wrote (a program's stderr, a refused payload): escaped, so no byte
+            # in them drives the terminal, and plain Text, so no `[...]` in them is taken as markup.
+            table.add_row(*(Text(printable(str(v).encode(), _CELL_CHARS)) for v in row))
         Console(width=200).print(table)
         return
     if output is not None:
