@@ -63,9 +63,13 @@ class SandboxSettings(Section):
     cpu_seconds: int = Field(5, ge=1)
     """RLIMIT_CPU: past it the kernel sends SIGXCPU (and SIGKILL one second later)."""
     memory_mb: int = Field(512, ge=1)
-    """RLIMIT_AS."""
+    """Memory of the whole sandbox: its cgroup's limit, counting every process, tmpfs and memfd pages
+    (swap excluded); also each process's RLIMIT_AS."""
     max_processes: int = Field(32, ge=1)
-    """RLIMIT_NPROC for the sandbox's own uid."""
+    """Processes of the whole sandbox (its cgroup's pids limit), and RLIMIT_NPROC of its own uid."""
+    cpus: float = Field(1.0, gt=0)
+    """CPU bandwidth of the whole sandbox, in cores (its cgroup's CFS quota): a program's threads
+    cannot take the reward worker's cores."""
     max_file_mb: int = Field(16, ge=1)
     """RLIMIT_FSIZE."""
     max_open_files: int = Field(64, ge=1)
@@ -90,7 +94,15 @@ class SandboxSettings(Section):
     """Where uid leases are held: one flock'ed file per uid, released when the pool closes or its
     process exits."""
     tmpfs_mb: int = Field(64, ge=1)
-    """Size of the private working directory."""
+    """Size of the sandbox's scratch space: one fresh tmpfs for `/work`, `/tmp` and `/dev/shm`
+    together (the rest of its tree is read-only)."""
+    max_inodes: int = Field(16384, ge=16)
+    """Files and folders the scratch space may hold (the tmpfs inode cap)."""
+    scratch_dir: Path = Path("/tmp/sprawl-sandbox-scratch")
+    """Where scratch spaces are mounted on the host, one per sandbox uid (a root-owned folder)."""
+    cleanup_patience_s: float = Field(30.0, gt=0)
+    """After a run, how long the processes of a sandbox's uid may take to end once killed; a uid
+    still running something after that is retired (never reused) and replaced by a fresh one."""
 
     @field_validator("backend")
     @classmethod
@@ -144,6 +156,11 @@ class SandboxResult:
     """The kernel stopped it for passing RLIMIT_CPU (SIGXCPU, or SIGKILL at the hard limit)."""
     cpu_seconds: float | None = None
     """CPU time the kernel accounted to the program (None where the backend cannot tell)."""
+    memory_limited: bool = False
+    """The sandbox's cgroup ran out of memory and the kernel killed a process of it (where the
+    backend has a cgroup)."""
+    processes_limited: bool = False
+    """A fork or clone failed on the sandbox's cgroup pids limit (where the backend has a cgroup)."""
     channel: bytes = b""
     """What the program wrote on its private result channel (see `process.ProgramProcess`); empty
     where the backend has none."""
@@ -157,11 +174,15 @@ class SandboxResult:
             return "output_limit"
         if self.cpu_limited:
             return "cpu"
+        if self.memory_limited:
+            return "memory"
         if self.signal == signal.SIGXFSZ or "File too large" in self.stderr:
             return "file_size"
         if self.signal is not None:
             return "killed"
         text = self.stderr
+        if self.processes_limited and self.exit_code:
+            return "process_limit"
         for needle, name in (
             ("MemoryError", "memory"),
             ("Cannot allocate memory", "memory"),
@@ -174,6 +195,7 @@ class SandboxResult:
             ("PermissionError", "permission"),
             ("FileNotFoundError", "permission"),
             ("Too many open files", "open_files"),
+            ("No space left on device", "disk"),
         ):
             if needle in text:
                 return name

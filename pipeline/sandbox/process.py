@@ -18,7 +18,7 @@ import resource
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 from pipeline.sandbox import SandboxResult, SandboxSettings
 
@@ -45,6 +45,25 @@ def _limits(settings: SandboxSettings, before_exec: Callable[[], None] | None):
     return apply
 
 
+_AWAITED: set[int] = set()
+"""Children a `ProgramProcess` (or its helper reaping) is waiting for: `reap_orphans` leaves them
+alone, so their owner reads their real exit status and CPU time, never a "someone else reaped it"."""
+
+
+def reap_orphans(uids: Container[int]) -> int:
+    """Reap ended children of this process that ran as one of `uids` and that nobody here waits for
+    (a sandbox's helpers whose owner gave up on them, or the processes of a sandbox killed as a
+    whole): zombies count against their uid's process limit and keep it from looking clean."""
+    reaped = 0
+    for pid in child_pids():
+        if pid in _AWAITED or uid_of(pid) not in uids:
+            continue
+        with contextlib.suppress(ChildProcessError):
+            if os.wait4(pid, os.WNOHANG)[0]:
+                reaped += 1
+    return reaped
+
+
 def child_pids() -> list[int]:
     """This process's children (the helpers of exited sandboxes are reparented to one of its threads)."""
     pids: list[int] = []
@@ -52,6 +71,49 @@ def child_pids() -> list[int]:
         with contextlib.suppress(FileNotFoundError), open(f"/proc/self/task/{task}/children") as children:
             pids.extend(int(pid) for pid in children.read().split())
     return pids
+
+
+def processes_of(uids: Container[int]) -> list[int]:
+    """Every live (not yet reaped) process on this host, as far as /proc shows, that runs as one of
+    `uids`: its real, effective, saved or filesystem uid is one of them."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError), open(f"/proc/{entry.name}/status") as status:
+            for line in status:
+                if line.startswith("Uid:"):
+                    if any(int(uid) in uids for uid in line.split()[1:]):
+                        found.append(int(entry.name))
+                    break
+    return found
+
+
+async def kill_processes_of(uid: int, patience_s: float) -> list[int]:
+    """SIGKILL every process running as `uid` and wait until all have ended (the kernel frees them at
+    once unless one is stuck in the kernel); returns those still there after `patience_s`. Each is
+    signalled through a pidfd opened while it still runs as `uid`, so a pid reused meanwhile by
+    someone else's process is never hit."""
+    give_up = time.monotonic() + patience_s
+    while True:
+        reap_orphans((uid,))  # our own children among them end as zombies until reaped
+        pids = processes_of((uid,))
+        if not pids:
+            return []
+        for pid in pids:
+            try:
+                pidfd = os.pidfd_open(pid)
+            except (ProcessLookupError, OSError):
+                continue
+            try:
+                if uid_of(pid) == uid:  # still the process we found, not a reuse of its pid
+                    with contextlib.suppress(ProcessLookupError):
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            finally:
+                os.close(pidfd)
+        if time.monotonic() >= give_up:
+            return pids
+        await asyncio.sleep(0.01)
 
 
 def uid_of(pid: int) -> int | None:
@@ -70,6 +132,7 @@ async def _reap_child(pid: int) -> float:
     pidfd = None
     with contextlib.suppress(OSError, AttributeError):
         pidfd = os.pidfd_open(pid)
+    _AWAITED.add(pid)
     try:
         # Not reaped yet, so the pid is still this child's: the signal cannot reach anyone else.
         with contextlib.suppress(ProcessLookupError):
@@ -85,6 +148,7 @@ async def _reap_child(pid: int) -> float:
     except ChildProcessError:  # reaped by someone else meanwhile
         return 0.0
     finally:
+        _AWAITED.discard(pid)
         if pidfd is not None:
             os.close(pidfd)
 
@@ -113,6 +177,7 @@ class ProgramProcess:
         assert popen.stdin is not None and popen.stdout is not None and popen.stderr is not None
         self.popen = popen
         self.pid = popen.pid
+        _AWAITED.add(self.pid)
         self.channel = channel
         self.helper_uid = helper_uid
         self._exit: tuple[int, float] | None = None  # (wait status, CPU seconds)
@@ -177,6 +242,7 @@ class ProgramProcess:
         except ChildProcessError:  # someone else reaped it: the status is lost, call it a crash
             status, cpu = 1 << 8, 0.0
         self._exit = (status, cpu)
+        _AWAITED.discard(self.pid)
         self.popen.returncode = os.waitstatus_to_exitcode(status)  # so Popen never tries to reap it again
         return True
 
