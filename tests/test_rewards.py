@@ -14,6 +14,7 @@ from pipeline.replay import replay, tail
 from pipeline.sandbox import SandboxSettings
 from schemas import IslandIdentity, PromptGroup, Reward, Trajectory, VersionSpan, encode_event
 from tests.consuming import dead_letters
+from workers.rewards.verifiers.hidden_tests import HiddenCase, hidden_tests_json
 from workers.rewards.worker import RewardSettings, RewardWorker, open_verifier_sandbox
 
 pytestmark = pytest.mark.integration
@@ -22,7 +23,7 @@ HANG_GUARD_S = 300.0
 """Upper bound on waiting for an event that must come; only reached if something is broken."""
 
 ISLAND = IslandIdentity(island_id="i", accelerator="cpu", view="bf16", engine="torch")
-TESTS = "def test_adds():\n    assert add(2, 3) == 5\n"
+TESTS = hidden_tests_json("add", [HiddenCase(args=[2, 3], expected=5)])
 ARITH = {"task": "arith", "prompt": "2+3=", "n_samples": 3, "answer": "5", "metadata": {"answer_format": r"-?\d+"}}
 
 

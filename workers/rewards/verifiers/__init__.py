@@ -4,7 +4,10 @@ A verifier is one module here plus one entry in `VERIFIERS`:
 
 - `exact` (`exact.py`): the demo task's exact-answer check.
 - `format` (`format_check.py`): flags malformed answers without judging them.
-- `code_tests` (`code_tests.py`): runs the answer with hidden tests in the sandbox.
+- `code_tests` (`code_tests.py`): runs the answer's function on the hidden tests' inputs in the sandbox
+  (through the harness in `harness.py`) and compares what it returned with the expected outputs, which
+  stay on the host. A code task's prompt group carries its tests as data (`hidden_tests.py`): build
+  `metadata["tests"]` with `hidden_tests_json("add", [HiddenCase(args=[2, 3], expected=5)])`.
 
 Every verdict carries the format flag, so format errors are counted whatever the task. A verifier
 says whether it executes model output (`needs_sandbox`); the worker requires a sandbox only then.
@@ -17,18 +20,23 @@ from workers.rewards.verifiers.answers import answer_format_ok, final_answer
 from workers.rewards.verifiers.code_tests import CodeTests, extract_code
 from workers.rewards.verifiers.exact import ExactAnswer
 from workers.rewards.verifiers.format_check import FormatCheck
+from workers.rewards.verifiers.hidden_tests import FloatTolerance, HiddenCase, HiddenTests, hidden_tests_json
 from workers.rewards.verifiers.verdict import Verdict, Verifier
 
 __all__ = [
     "VERIFIERS",
     "CodeTests",
     "ExactAnswer",
+    "FloatTolerance",
     "FormatCheck",
+    "HiddenCase",
+    "HiddenTests",
     "Verdict",
     "Verifier",
     "answer_format_ok",
     "extract_code",
     "final_answer",
+    "hidden_tests_json",
     "verifier",
 ]
 
