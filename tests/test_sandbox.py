@@ -1,11 +1,13 @@
-"""Hostile programs are contained (reward 0, a precise error class) and the sandbox stays healthy.
+"""Hostile programs are contained (reward 0, a precise error class), no process of theirs outlives its
+run, and the sandbox stays healthy.
 
 Limits are set so that each case ends the way it is meant to even on a loaded machine: CPU-bound
-cases run with a wall timeout far above their CPU limit (a hang guard), and the wall-clock case has
-a pool of its own with a short timeout.
+cases run with a wall timeout far above their CPU limit (a hang guard), and the wall-clock cases have
+a pool of their own with a short timeout.
 """
 
 import asyncio
+import ctypes
 import os
 import signal
 import subprocess
@@ -15,37 +17,31 @@ import uuid
 from pathlib import Path
 
 import pytest
+import structlog
 from pydantic import ValidationError
 
 from pipeline.sandbox import SandboxSettings, SandboxUnavailable, open_sandbox
+from pipeline.sandbox import bubblewrap as bubblewrap_backend
 from pipeline.sandbox.bubblewrap import BwrapSandboxPool, _become_subreaper, bwrap_argv
+from pipeline.sandbox.cgroups import CgroupsUnavailable
 from pipeline.sandbox.modal import modal_sandbox_request
-from pipeline.sandbox.process import ProgramProcess, run_program
+from pipeline.sandbox.process import ProgramProcess, processes_of, reap_orphans, run_program
 from pipeline.sandbox.uids import lease_uids
-from schemas import PromptGroup
 from workers.bench.hostile_programs import (
+    CORRECT_ADD,
     SECRET_ENV,
     SECRET_FILE,
-    WALL_CLOCK_CASES,
+    add_group,
     catalogue,
     code_answer,
     open_listener,
 )
 from workers.rewards.verifiers import CodeTests
 
-TESTS = "def test_adds():\n    assert add(2, 3) == 5\n\ndef test_negative():\n    assert add(-2, 1) == -1\n"
-GROUP = PromptGroup(
-    run_id="r",
-    group_id="g",
-    task="code",
-    prompt="write add",
-    prompt_token_ids=[1],
-    n_samples=1,
-    metadata={"tests": TESTS},
-)
+GROUP = add_group()
 # Every case ends by itself well within the wall timeout, which is only a hang guard here.
 LIMITS = SandboxSettings(pool_size=2, wall_timeout_s=120, cpu_seconds=1, max_processes=24)
-# For the wall-clock case: short, since its program sleeps until killed.
+# For the wall-clock cases: short, since their programs sleep until killed.
 SHORT_WALL = LIMITS.model_copy(update={"pool_size": 1, "wall_timeout_s": 3})
 
 
@@ -65,24 +61,19 @@ async def short_pool():
     await p.close()
 
 
-def _processes_of(uids: range) -> list[str]:
-    """Live (non-zombie) processes running as one of `uids`: only this pool's, whoever else runs sandboxes."""
-    out = subprocess.run(["ps", "-eo", "uid=,stat=,args="], capture_output=True, text=True).stdout
-    return [
-        line
-        for line in out.splitlines()
-        if line.split()[0].isdigit() and int(line.split()[0]) in uids and not line.split()[1].startswith("Z")
-    ]
+def _uid_of_sandbox(sandbox_id: str) -> int:
+    return int(sandbox_id.split("-")[1])  # bwrap-<uid>-<hex>
 
 
-async def test_a_correct_answer_passes_and_a_wrong_one_names_the_test(pool):
-    good = await CodeTests().verify(code_answer("def add(a, b):\n    return a + b"), GROUP, pool)
+async def _scores(pool: BwrapSandboxPool, code: str):
+    return await CodeTests().verify(code_answer(code), GROUP, pool)
+
+
+async def test_a_correct_answer_passes_and_a_wrong_one_names_the_case(pool):
+    good = await _scores(pool, CORRECT_ADD)
     assert good.value == 1.0 and good.error_class is None and good.sandbox_id.startswith("bwrap-")
-    bad = await CodeTests().verify(code_answer("def add(a, b):\n    return abs(a + b)"), GROUP, pool)
-    assert bad.value == 0.0 and bad.error_class == "test_failed"
-    assert bad.details["failed_test"] == "test_negative"
-    missing = await CodeTests().verify(code_answer("print('no function here')"), GROUP, pool)
-    assert missing.format_error and missing.value == 0.0
+    bad = await _scores(pool, "def add(a, b):\n    return a - b")
+    assert bad.value == 0.0 and bad.error_class == "test_failed" and bad.details["case"] == "0"
 
 
 async def test_hostile_catalogue_is_contained(pool, short_pool, monkeypatch):
@@ -91,22 +82,158 @@ async def test_hostile_catalogue_is_contained(pool, short_pool, monkeypatch):
     monkeypatch.setenv(SECRET_ENV, "also secret")
     listener = open_listener()
     try:
-        cases = catalogue(listener.getsockname()[1], secret_file=str(secret_file))
-        for name, (code, classes) in cases.items():
-            chosen = short_pool if name in WALL_CLOCK_CASES else pool
-            verdict = await CodeTests().verify(code_answer(code), GROUP, chosen)
+        for name, case in catalogue(listener.getsockname()[1], secret_file=str(secret_file)).items():
+            chosen = short_pool if case.wall_clock else pool
+            verdict = await _scores(chosen, case.code)
             assert verdict.value == 0.0, name
-            assert verdict.error_class in classes, (name, verdict.error_class, verdict.details)
-            assert "top secret" not in str(verdict.details) and "also secret" not in str(verdict.details), name
-            healthy = await CodeTests().verify(code_answer("def add(a, b):\n    return a + b"), GROUP, chosen)
-            assert healthy.value == 1.0, f"sandbox unhealthy after {name}"
+            assert verdict.error_class in case.classes, (name, verdict.error_class, verdict.details)
+            shown = str(verdict.details)
+            assert "top secret" not in shown and "also secret" not in shown, name
+            assert not any(ch in "".join(verdict.details.values()) for ch in "\x1b\x07\x9b"), (name, shown)
+            healthy = await _scores(chosen, CORRECT_ADD)
+            assert healthy.value == 1.0, f"sandbox unhealthy after {name}: {healthy}"
     finally:
         listener.close()
         secret_file.unlink()
     assert os.path.exists("/usr/lib/sprawl-owned") is False
     for p in (pool, short_pool):
+        await p.settled()
+        assert p.retired == [], "every uid was cleaned after its run"
         await p.close()  # the warm sandboxes waiting for programs go too; nothing else may be left
-        assert _processes_of(p.uids) == [], "a sandboxed process outlived its run"
+        assert processes_of(p.uids) == [], "a sandboxed process outlived its run"
+
+
+async def test_a_sandbox_that_ptraces_its_init_and_daemonizes_leaves_nothing_of_its_uid(short_pool):
+    escape = catalogue(0)["ptrace_pid1_then_sleep"]
+    verdict = await _scores(short_pool, escape.code)
+    assert verdict.error_class == "timeout", verdict
+    await short_pool.settled()
+    assert processes_of((_uid_of_sandbox(verdict.sandbox_id),)) == []
+    assert short_pool.retired == []
+
+
+async def test_twenty_hostile_programs_at_once_then_eight_benign_ones_all_score_right(pool):
+    cases = catalogue(0)
+    hostile = [
+        cases[name].code
+        for name in (
+            "fork_bomb",
+            "memory_hog",
+            "memfd_2gb",
+            "inodes_100k",
+            "cpu_spin",
+            "daemon_outlives_run",
+            "always_equal",
+            "fake_verdict_then_exit",
+            "kill_parent",
+            "multi_gb_output",
+        )
+    ] * 2
+    verdicts = await asyncio.gather(*(_scores(pool, code) for code in hostile))
+    assert [v.value for v in verdicts] == [0.0] * 20, [(v.value, v.error_class) for v in verdicts]
+    benign = await asyncio.gather(*(_scores(pool, CORRECT_ADD) for _ in range(8)))
+    assert [v.value for v in benign] == [1.0] * 8, [(v.error_class, v.details) for v in benign]
+    await pool.settled()
+    assert pool.retired == []
+
+
+_KEYCTL_READ = """
+import ctypes, platform
+nr = {"x86_64": (248, 250), "aarch64": (217, 219)}[platform.machine()]
+libc = ctypes.CDLL(None, use_errno=True)
+for spec in (-3, -4, -5):  # session, user, user-session keyrings
+    print(libc.syscall(nr[1], 0, spec, 0), ctypes.get_errno())  # KEYCTL_GET_KEYRING_ID
+print(libc.syscall(nr[0], b"user", b"planted-by-a-sandbox", b"x", 1, -4), ctypes.get_errno())
+print(open("/proc/keys").read())
+"""
+
+
+async def test_no_keyring_is_shared_with_the_worker_or_another_sandbox(pool):
+    libc = ctypes.CDLL(None, use_errno=True)
+    planted = f"planted-by-the-worker-{uuid.uuid4().hex[:8]}".encode()
+    add_key = {"x86_64": 248, "aarch64": 217}[os.uname().machine]
+    serial = libc.syscall(add_key, b"user", planted, b"secret", 6, -3)  # into the worker's session keyring
+    assert serial > 0, f"the test could not plant a key: errno {ctypes.get_errno()}"
+    first = await pool.run(_KEYCTL_READ)
+    second = await pool.run(_KEYCTL_READ)
+    for result in (first, second):
+        lines = result.stdout.splitlines()
+        assert lines[:4] == [f"-1 {1}"] * 4, result  # every keyctl and add_key call: EPERM
+        assert planted.decode() not in result.stdout and "planted-by-a-sandbox" not in result.stdout
+
+
+async def test_a_uid_that_cannot_be_cleaned_is_retired_and_replaced():
+    pool = BwrapSandboxPool(LIMITS.model_copy(update={"pool_size": 1, "cleanup_patience_s": 0.5}))
+    await pool.start()
+    # A zombie of each uid whose parent never reaps it: nothing can kill it, so no uid looks clean.
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys\nfor uid in map(int, sys.argv[1:]):\n    if os.fork() == 0:\n        os.setuid(uid)\n"
+            "        os._exit(0)\nprint('ready', flush=True)\nsys.stdin.read()",
+            *map(str, pool.uids),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "ready\n"
+        dirty = set(pool.uids)
+        first = await pool.run("print('ok')")
+        await pool.settled()
+        assert _uid_of_sandbox(first.sandbox_id) in pool.retired
+        later = [await pool.run("print('ok')") for _ in range(4)]
+        assert all(r.stdout == "ok\n" for r in later)
+        assert not {_uid_of_sandbox(r.sandbox_id) for r in later[1:]} & set(pool.retired)
+        assert set(pool.uids) > dirty, "a fresh uid was leased in place of each retired one"
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=120)
+        await pool.close()
+
+
+async def test_uids_in_use_by_a_pool_that_leases_elsewhere_are_refused(pool, tmp_path):
+    """Two workers with different lock folders (two containers on one host, say) must not share uids."""
+    taken = min(pool.uids)  # a warm sandbox of `pool` runs as one of its uids right now
+    other = BwrapSandboxPool(LIMITS.model_copy(update={"uid_base": taken, "uid_span": 8, "uid_lock_dir": tmp_path}))
+    with pytest.raises(SandboxUnavailable, match="already in use on this host"):
+        await other.start()
+    await other.close()
+
+
+async def test_reaping_orphans_while_a_program_runs_never_misreads_its_exit(pool):
+    """`reap_orphans` runs after every sandbox; it must never take a process someone waits on."""
+    stop = asyncio.Event()
+
+    async def reaper() -> None:
+        while not stop.is_set():
+            reap_orphans(pool.uids)
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(reaper())
+    try:
+        spin = await pool.run("while True:\n    pass")
+        exits = await pool.run("raise SystemExit(7)")
+    finally:
+        stop.set()
+        await task
+    assert spin.error_class == "cpu" and spin.cpu_seconds >= LIMITS.cpu_seconds, spin
+    assert exits.exit_code == 7 and exits.error_class == "crash", exits
+
+
+async def test_without_cgroups_the_pool_says_so_and_keeps_its_per_process_limits(monkeypatch):
+    monkeypatch.setattr(bubblewrap_backend, "open_cgroups", lambda owner: CgroupsUnavailable("no cgroups in this test"))
+    with structlog.testing.capture_logs() as logs:
+        pool = BwrapSandboxPool(LIMITS)
+        await pool.start()
+    try:
+        assert any("NO CGROUP" in entry["event"] and entry["log_level"] == "warning" for entry in logs), logs
+        assert (await pool.run("x = bytearray(10 ** 10)")).error_class == "memory"
+        assert (await _scores(pool, CORRECT_ADD)).value == 1.0
+    finally:
+        await pool.close()
 
 
 async def test_environment_is_clean_and_root_is_absent(pool, monkeypatch):

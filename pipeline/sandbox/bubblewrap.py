@@ -1,15 +1,23 @@
-"""The `bwrap` backend: bubblewrap sandboxes, warm and single-use.
+"""The `bwrap` backend: bubblewrap sandboxes, warm and single-use, each one a cgroup, not a process.
 
 Every sandbox runs as its own unprivileged uid (leased for this pool alone, see `uids.py`) in fresh
 user, PID, network, IPC and UTS namespaces: no network but its own empty loopback, a read-only
 `/usr` and nothing else of the host (no `/root`, no `/etc`, no home, a clean environment), a
-private tmpfs as the working directory, rlimits on CPU seconds, address space, processes, file
-size and open files, a wall-clock timeout that kills the whole PID namespace, and capped
-stdout/stderr.
+read-only root and `/dev`, and one fresh scratch tmpfs capped in bytes and inodes for `/work`,
+`/tmp` and `/dev/shm` (`scratch.py`). Around it:
 
-A warm pool keeps sandboxes started ahead of time (bwrap and the interpreter are already up,
-waiting for a program on stdin), sized to the rollout concurrency, so a verification never waits
-on start-up. Each sandbox runs one program and is thrown away.
+- its own cgroup (`cgroups.py`): memory (every process, tmpfs and memfd pages), pids and CPU
+  bandwidth for the sandbox as a whole, and the means to kill all of it at once;
+- a seccomp filter (`syscall_filter.py`): no ptrace, keyrings, io_uring, userfaultfd, perf, bpf,
+  mounts, new namespaces or file locks, so it cannot reach out of its run or across rollouts;
+- a fresh session keyring (none of the worker's keys are in reach) and no nested user namespaces;
+- rlimits per process (CPU seconds, address space, processes of its uid, file size, open files), a
+  wall-clock timeout, capped stdout/stderr and a private result channel (`process.py`).
+
+After every run the sandbox's cgroup is killed and every process of its uid must be gone before the
+uid is used again; a uid that cannot be cleaned is retired (kept leased, never reused) and replaced.
+A warm pool keeps sandboxes started ahead of time (bwrap and the interpreter are up, waiting for a
+program on stdin), sized to the rollout concurrency. Each sandbox runs one program and is thrown away.
 """
 
 from __future__ import annotations
@@ -17,18 +25,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
+import functools
 import os
 import shutil
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.logs import get_logger
 from pipeline.sandbox import SandboxResult, SandboxSettings, SandboxUnavailable
-from pipeline.sandbox.process import RUNNER, ProgramProcess, child_pids, run_program, uid_of
+from pipeline.sandbox.cgroups import CgroupLimits, CgroupsUnavailable, SandboxCgroup, open_cgroups
+from pipeline.sandbox.process import (
+    RUNNER,
+    ProgramProcess,
+    kill_processes_of,
+    processes_of,
+    reap_orphans,
+    run_program,
+)
+from pipeline.sandbox.scratch import ScratchSpace
+from pipeline.sandbox.syscall_filter import filter_fd, filter_program, syscall_number
 from pipeline.sandbox.uids import UidLease, lease_uids
+
+__all__ = ["BwrapSandboxPool", "bwrap_argv", "reap_orphans"]
 
 log = get_logger(__name__)
 
 _PR_SET_CHILD_SUBREAPER = 36
+_KEYCTL_JOIN_SESSION_KEYRING = 1
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _binaries(settings: SandboxSettings) -> tuple[str, str]:
@@ -55,8 +81,20 @@ def _binaries(settings: SandboxSettings) -> tuple[str, str]:
     return bwrap, setpriv
 
 
-def bwrap_argv(settings: SandboxSettings, uid: int) -> list[str]:
+def bwrap_argv(
+    settings: SandboxSettings, uid: int, *, seccomp_fd: int | None = None, scratch: ScratchSpace | None = None
+) -> list[str]:
+    """The command that starts one sandbox as `uid`, waiting for its program on stdin. `seccomp_fd`:
+    a descriptor holding the filter program (`syscall_filter.filter_fd`), inherited by bwrap.
+    `scratch`: bind its tmpfs for `uid` (prepared beforehand); without one, bwrap's own sized tmpfs
+    mounts (no inode cap)."""
     bwrap, setpriv = _binaries(settings)
+    if scratch is not None:
+        writable = scratch.binds(uid)
+    else:
+        size = str(settings.tmpfs_mb << 20)
+        writable = [arg for inside in ("/work", "/tmp", "/dev/shm") for arg in ("--size", size, "--tmpfs", inside)]
+    seccomp = ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
     return [
         setpriv,
         f"--reuid={uid}",
@@ -65,10 +103,13 @@ def bwrap_argv(settings: SandboxSettings, uid: int) -> list[str]:
         "--inh-caps=-all",
         bwrap,
         "--unshare-all",
+        "--unshare-user",  # explicit, for --disable-userns: no nested user namespace, capabilities and all
+        "--disable-userns",
         "--die-with-parent",
         "--new-session",
         "--hostname",
         "sandbox",
+        *seccomp,
         "--ro-bind",
         "/usr",
         "/usr",
@@ -85,10 +126,12 @@ def bwrap_argv(settings: SandboxSettings, uid: int) -> list[str]:
         "/proc",
         "--dev",
         "/dev",
-        "--size",
-        str(settings.tmpfs_mb << 20),
-        "--tmpfs",
-        "/work",
+        *writable,
+        # bwrap's root and /dev are tmpfs mounts without a size: nothing may be written there.
+        "--remount-ro",
+        "/dev",
+        "--remount-ro",
+        "/",
         "--chdir",
         "/work",
         "--clearenv",
@@ -98,6 +141,9 @@ def bwrap_argv(settings: SandboxSettings, uid: int) -> list[str]:
         "--setenv",
         "HOME",
         "/work",
+        "--setenv",
+        "TMPDIR",
+        "/tmp",
         "--setenv",
         "PYTHONDONTWRITEBYTECODE",
         "1",
@@ -110,11 +156,14 @@ def bwrap_argv(settings: SandboxSettings, uid: int) -> list[str]:
     ]
 
 
+@dataclasses.dataclass
 class _Warm:
     """One started sandbox waiting for its program."""
 
-    def __init__(self, proc: ProgramProcess, sandbox_id: str, slot: int):
-        self.proc, self.sandbox_id, self.slot = proc, sandbox_id, slot
+    proc: ProgramProcess
+    sandbox_id: str
+    uid: int
+    cgroup: SandboxCgroup | None
 
 
 def _become_subreaper() -> bool:
@@ -122,54 +171,90 @@ def _become_subreaper() -> bool:
     us instead of to init: we reap them (zombies count against the sandbox uid's process limit) and
     read from them the CPU time the program used."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 
 
-def reap_orphans(uids: range, keep: set[int]) -> int:
-    """Reap zombie children of this process that ran as one of `uids` and are not a sandbox we are
-    still waiting on (`keep`): never anyone else's child, whoever else this process started."""
-    reaped = 0
-    for pid in child_pids():
-        if pid in keep or uid_of(pid) not in uids:
-            continue
-        with contextlib.suppress(ChildProcessError):
-            if os.wait4(pid, os.WNOHANG)[0]:
-                reaped += 1
-    return reaped
+def _keyctl_number() -> int | None:
+    """keyctl(2)'s number on this architecture (through libseccomp, which knows every one)."""
+    try:
+        return syscall_number("keyctl")
+    except SandboxUnavailable:  # no libseccomp: start() says so
+        return None
+
+
+def _join_fresh_keyring(keyctl: int | None) -> None:
+    """In the child, before exec: an anonymous session keyring of its own, so no key of the worker's
+    session (or of another sandbox) is in reach even before seccomp denies keyctl altogether. Best
+    effort: where keyctl is itself filtered (a container's default profile), nothing is reachable."""
+    if keyctl is not None:
+        _libc.syscall(keyctl, _KEYCTL_JOIN_SESSION_KEYRING, None)
 
 
 class BwrapSandboxPool:
     """Warm, single-use bubblewrap sandboxes; `run` takes one, replaces it in the background."""
 
-    def __init__(self, settings: SandboxSettings):
+    def __init__(self, settings: SandboxSettings, *, hardened: bool = True):
+        """`hardened=False` leaves out the cgroup, the seccomp filter, the scratch tmpfs and the fresh
+        keyring: the sandbox as it was before them, only for `sprawl bench sandbox` to measure what
+        they cost. Never for programs that are not the benchmark's own."""
         self.settings = settings
+        self.hardened = hardened
         _binaries(settings)  # fail now, naming the package, if bubblewrap is missing
         self.slots = max(settings.pool_size, 1) * 2
-        self.lease: UidLease | None = None
+        self.leases: list[UidLease] = []
+        self.retired: list[int] = []
+        """uids that could not be cleaned after a run: still leased (no one else gets them), never reused."""
+        self.cgroups = None
+        self.scratch: ScratchSpace | None = ScratchSpace(
+            settings.scratch_dir, size_mb=settings.tmpfs_mb, max_inodes=settings.max_inodes
+        )
+        self.limits = CgroupLimits(
+            memory_bytes=settings.memory_mb << 20, pids=settings.max_processes, cpus=settings.cpus
+        )
+        self._keyctl = _keyctl_number()
         self._ready: asyncio.Queue[_Warm] = asyncio.Queue()
-        self._free_slots: asyncio.Queue[int] = asyncio.Queue()
+        self._free_uids: asyncio.Queue[int] = asyncio.Queue()
         self._spawning: set[asyncio.Task] = set()
-        self._live: set[int] = set()
+        self._cleaning: set[asyncio.Task] = set()
+        self._running: set[asyncio.Task] = set()
         self._subreaper = False
+        # One thread starts sandboxes (see `_started`): starts stay in order, and Popen's fork happens
+        # with no other spawn in flight.
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spawn")
         self.cold_starts = 0
 
     @property
-    def uids(self) -> range:
-        """The uids this pool's sandboxes run as (leased at start, for this pool alone)."""
-        assert self.lease is not None, "start() the pool first"
-        return self.lease.uids
+    def uids(self) -> tuple[int, ...]:
+        """The uids this pool's sandboxes run (or ran) as: leased at start, for this pool alone."""
+        assert self.leases, "start() the pool first"
+        return tuple(uid for lease in self.leases for uid in lease.uids)
 
     async def start(self) -> None:
-        """Lease uids, start the warm sandboxes, and run one program: a host where bubblewrap cannot
-        start a sandbox (no user namespaces, say) fails here, not as a crash on every reward."""
+        """Check what isolation this host allows, lease uids, start the warm sandboxes, and run one
+        program: a host where bubblewrap cannot start a sandbox (no user namespaces, say) fails here,
+        not as a crash on every reward."""
         s = self.settings
-        self.lease = lease_uids(self.slots, uid_base=s.uid_base, uid_span=s.uid_span, lock_dir=s.uid_lock_dir)
+        if self.hardened:
+            filter_program()  # SandboxUnavailable, naming the package, without libseccomp
+            await self._open_cgroups()
+            try:
+                self.scratch.check()
+            except SandboxUnavailable as exc:
+                log.warning(
+                    "SANDBOX SCRATCH HAS NO INODE CAP: bubblewrap's own sized tmpfs mounts instead",
+                    reason=exc.message,
+                )
+                self.scratch = None
+        else:
+            self.scratch = None
+        lease = lease_uids(self.slots, uid_base=s.uid_base, uid_span=s.uid_span, lock_dir=s.uid_lock_dir)
+        self.leases.append(lease)
+        self._refuse_shared_uids(lease)
         self._subreaper = _become_subreaper()
-        for slot in range(self.slots):
-            self._free_slots.put_nowait(slot)
+        for uid in lease.uids:
+            self._free_uids.put_nowait(uid)
         for _ in range(s.pool_size):
             self._refill()
         probe = await self.run("print('ok')")
@@ -180,7 +265,40 @@ class BwrapSandboxPool:
                 f"bubblewrap cannot start a sandbox on this host: {detail}",
                 hint="run as root (sandboxes switch to their own uids) on a kernel with user namespaces enabled",
             )
-        log.info("sandbox pool started", uids=f"{self.lease.first}..{self.lease.first + self.slots - 1}")
+        log.info(
+            "sandbox pool started",
+            uids=f"{lease.first}..{lease.first + lease.count - 1}",
+            cgroups=f"v{self.cgroups.version}" if self.cgroups else "none",
+            scratch="tmpfs with inode cap" if self.scratch else "bwrap tmpfs",
+        )
+
+    async def _open_cgroups(self) -> None:
+        opened = open_cgroups(f"sandbox pool of pid {os.getpid()}")
+        if isinstance(opened, CgroupsUnavailable):
+            # The strongest limits left are per process: RLIMIT_AS per process, RLIMIT_NPROC per uid.
+            log.warning(
+                "SANDBOXES HAVE NO CGROUP: memory and process limits are per process, not per sandbox",
+                reason=opened.reason,
+                hint=opened.hint,
+                fallback="RLIMIT_AS per process, RLIMIT_NPROC per sandbox uid, sized tmpfs",
+            )
+            return
+        self.cgroups = opened
+        await opened.sweep_stale()  # a SIGKILLed worker's sandboxes: killed, their cgroups removed
+
+    def _refuse_shared_uids(self, lease: UidLease) -> None:
+        """A process already running as one of our new uids belongs to a pool that leases elsewhere (a
+        second worker with another `uid_lock_dir`, another container on this host): sharing the uids
+        would share process limits and make "every process of the uid is gone" unverifiable."""
+        if others := processes_of(lease.uids):
+            lease.release()
+            self.leases.remove(lease)
+            raise SandboxUnavailable(
+                f"sandbox uids {lease.first}..{lease.first + lease.count - 1} are already in use on this host "
+                f"(by pids {', '.join(map(str, others[:5]))}), though no pool here leases them",
+                hint="give each reward worker on a host the same SPRAWL_SANDBOX__UID_LOCK_DIR, or disjoint "
+                "SPRAWL_SANDBOX__UID_BASE ranges",
+            )
 
     def _refill(self) -> None:
         task = asyncio.create_task(self._spawn_into_pool())
@@ -196,21 +314,58 @@ class BwrapSandboxPool:
         await self._ready.put(warm)
 
     async def _spawn(self) -> _Warm:
-        assert self.lease is not None, "start() the pool first"
-        slot = await self._free_slots.get()
-        uid = self.lease.uid(slot)
+        uid = await self._free_uids.get()
+        cgroup = None
+        seccomp = -1
         try:
-            proc = ProgramProcess.start(
-                bwrap_argv(self.settings, uid),
+            if self.scratch is not None:
+                self.scratch.prepare(uid)
+            sandbox_id = f"bwrap-{uid}-{uuid.uuid4().hex[:8]}"
+            if self.cgroups is not None:
+                cgroup = self.cgroups.create(sandbox_id, self.limits)
+            seccomp = filter_fd() if self.hardened else -1
+            keyctl = self._keyctl if self.hardened else None
+
+            def before_exec() -> None:  # in the child, as root, before setpriv drops to `uid`
+                if cgroup is not None:
+                    cgroup.join_from_preexec()
+                _join_fresh_keyring(keyctl)
+
+            start = functools.partial(
+                ProgramProcess.start,
+                bwrap_argv(self.settings, uid, seccomp_fd=seccomp if seccomp >= 0 else None, scratch=self.scratch),
                 self.settings,
                 env={"PATH": "/usr/bin"},
                 helper_uid=uid if self._subreaper else None,
+                pass_fds=(seccomp,) if seccomp >= 0 else (),
+                before_exec=before_exec,
             )
+            proc = await self._started(start)
         except BaseException:
-            self._free_slots.put_nowait(slot)  # the slot was never used: a failed start must not shrink the pool
+            # Never started: nothing ran as `uid`, so it goes straight back (a failed start must not shrink the pool).
+            if cgroup is not None:
+                await cgroup.remove()
+            if self.scratch is not None:
+                self.scratch.release(uid)
+            self._free_uids.put_nowait(uid)
             raise
-        self._live.add(proc.pid)
-        return _Warm(proc, f"bwrap-{uid}-{uuid.uuid4().hex[:8]}", slot)
+        finally:
+            if seccomp >= 0:
+                os.close(seccomp)
+        return _Warm(proc, sandbox_id, uid, cgroup)
+
+    async def _started(self, start: Callable[[], ProgramProcess]) -> ProgramProcess:
+        """Start a sandbox off the event loop: Popen returns only once the child has exec'd, after it
+        joined its cgroup, and a cgroup v1 move waits for an RCU grace period per hierarchy (about 3 ms
+        each): on the loop, every refill would stall the programs running meanwhile. A start that is
+        cancelled is seen through and its process finished, so nothing runs as a uid we give back."""
+        spawn = asyncio.get_running_loop().run_in_executor(self._spawner, start)
+        try:
+            return await asyncio.shield(spawn)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await (await spawn).finish()
+            raise
 
     async def run(self, program: str) -> SandboxResult:
         try:
@@ -220,20 +375,74 @@ class BwrapSandboxPool:
             warm = await self._spawn()
         else:
             self._refill()
+        task = asyncio.current_task()
+        self._running.add(task)
         try:
-            return await run_program(warm.proc, warm.sandbox_id, program, self.settings)
+            result = await run_program(warm.proc, warm.sandbox_id, program, self.settings)
+            return self._with_cgroup_verdict(result, warm.cgroup)
         finally:
+            self._running.discard(task)
             await self._discard(warm)
 
+    @staticmethod
+    def _with_cgroup_verdict(result: SandboxResult, cgroup: SandboxCgroup | None) -> SandboxResult:
+        """What the sandbox's cgroup saw: an OOM kill inside it (a memfd or tmpfs filled past the
+        limit ends that way) is a memory verdict, a fork refused at its pids limit a process one."""
+        if cgroup is None:
+            return result
+        usage = cgroup.usage()
+        return dataclasses.replace(result, memory_limited=usage.oom_kills > 0, processes_limited=usage.pids_limited)
+
     async def _discard(self, warm: _Warm) -> None:
+        """Kill what is left of the sandbox, then clean its uid in the background: the caller has its result."""
         await warm.proc.finish()
-        self._live.discard(warm.proc.pid)
-        assert self.lease is not None
-        # Before the slot's uid is reused (its zombies count against NPROC); only this slot's uid, so as
-        # not to take another sandbox's helper (and its CPU time) from under it.
-        uid = self.lease.uid(warm.slot)
-        reap_orphans(range(uid, uid + 1), self._live)
-        self._free_slots.put_nowait(warm.slot)
+        task = asyncio.create_task(self._clean(warm))
+        self._cleaning.add(task)
+        task.add_done_callback(self._cleaning.discard)
+
+    async def _clean(self, warm: _Warm) -> None:
+        """Every process of the sandbox gone (its cgroup first, then anything of its uid anywhere on the
+        host), its scratch detached; only then is its uid free for another sandbox. A uid that cannot be
+        cleaned in `cleanup_patience_s` is retired, loudly: the pool never reuses a dirty uid."""
+        patience = self.settings.cleanup_patience_s
+        try:
+            if warm.cgroup is not None:
+                async with asyncio.timeout(patience):
+                    await warm.cgroup.remove()  # kills what is left in it first
+            if self.scratch is not None:
+                self.scratch.release(warm.uid)
+            survivors = await kill_processes_of(warm.uid, patience)
+        except (OSError, TimeoutError) as exc:
+            await self._retire(warm.uid, f"cleaning up {warm.sandbox_id} failed: {exc!r}")
+            return
+        if survivors:
+            await self._retire(warm.uid, f"processes {survivors[:10]} survived the kill after {patience} s")
+            return
+        self._free_uids.put_nowait(warm.uid)
+
+    async def _retire(self, uid: int, why: str) -> None:
+        """`uid` could not be cleaned after its sandbox was killed: keep it leased but unused, and
+        lease a fresh uid in its place so the pool keeps its size."""
+        self.retired.append(uid)
+        log.error("sandbox uid retired: it could not be cleaned after its run", uid=uid, why=why)
+        s = self.settings
+        try:
+            lease = lease_uids(1, uid_base=s.uid_base, uid_span=s.uid_span, lock_dir=s.uid_lock_dir)
+        except SandboxUnavailable as exc:
+            log.error("no uid to replace a retired one: the pool runs one sandbox fewer", error=exc.message)
+            return
+        self.leases.append(lease)
+        try:
+            self._refuse_shared_uids(lease)
+        except SandboxUnavailable as exc:
+            log.error("the uid leased to replace a retired one is in use", error=exc.message)
+            return
+        self._free_uids.put_nowait(lease.first)
+
+    async def settled(self) -> None:
+        """Wait until every sandbox that has run is cleaned up: its uid free again, or retired."""
+        while self._cleaning:
+            await asyncio.gather(*list(self._cleaning), return_exceptions=True)
 
     async def close(self) -> None:
         for task in list(self._spawning):
@@ -242,6 +451,12 @@ class BwrapSandboxPool:
             await asyncio.gather(*self._spawning, return_exceptions=True)
         while not self._ready.empty():
             await self._discard(self._ready.get_nowait())
-        if self.lease is not None:
-            reap_orphans(self.lease.uids, self._live)
-            self.lease.release()
+        if self._running:  # runs in flight end by themselves (their wall timeout bounds them): never a fake verdict
+            await asyncio.wait(list(self._running))
+        await self.settled()
+        if self.cgroups is not None:
+            await self.cgroups.close()
+        for lease in self.leases:
+            reap_orphans(lease.uids)
+            lease.release()
+        self._spawner.shutdown(wait=False)

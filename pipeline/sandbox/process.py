@@ -48,6 +48,9 @@ def _limits(settings: SandboxSettings, before_exec: Callable[[], None] | None):
 _AWAITED: set[int] = set()
 """Children a `ProgramProcess` (or its helper reaping) is waiting for: `reap_orphans` leaves them
 alone, so their owner reads their real exit status and CPU time, never a "someone else reaped it"."""
+_HELPERS_AWAITED: set[int] = set()
+"""uids of `ProgramProcess`es whose helpers are not reaped yet: a helper becomes our child (and
+may end) before its owner looks for it, and the program's CPU time is in its exit status."""
 
 
 def reap_orphans(uids: Container[int]) -> int:
@@ -56,7 +59,8 @@ def reap_orphans(uids: Container[int]) -> int:
     whole): zombies count against their uid's process limit and keep it from looking clean."""
     reaped = 0
     for pid in child_pids():
-        if pid in _AWAITED or uid_of(pid) not in uids:
+        uid = uid_of(pid)
+        if pid in _AWAITED or uid in _HELPERS_AWAITED or uid not in uids:
             continue
         with contextlib.suppress(ChildProcessError):
             if os.wait4(pid, os.WNOHANG)[0]:
@@ -180,6 +184,8 @@ class ProgramProcess:
         _AWAITED.add(self.pid)
         self.channel = channel
         self.helper_uid = helper_uid
+        if helper_uid is not None:
+            _HELPERS_AWAITED.add(helper_uid)
         self._exit: tuple[int, float] | None = None  # (wait status, CPU seconds)
         self._helpers_reaped = helper_uid is None
         self._pidfd: int | None = None
@@ -254,9 +260,12 @@ class ProgramProcess:
             else:
                 await asyncio.sleep(0.02)
         if not self._helpers_reaped:
-            self._helpers_reaped = True
             status, cpu = self._exit
-            self._exit = (status, cpu + await self._reap_helpers())
+            try:
+                self._exit = (status, cpu + await self._reap_helpers())
+            finally:
+                self._helpers_reaped = True
+                _HELPERS_AWAITED.discard(self.helper_uid)
         assert self._exit is not None
         return self._exit
 
@@ -285,7 +294,10 @@ class ProgramProcess:
     async def finish(self) -> None:
         """Kill whatever is left, reap it and close our ends of the pipes."""
         self.kill()
-        await self.wait()
+        try:
+            await self.wait()
+        finally:  # even if cancelled: whatever is left of the uid is reaped by whoever cleans it
+            _HELPERS_AWAITED.discard(self.helper_uid)
         for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             if stream is not None:
                 with contextlib.suppress(OSError):

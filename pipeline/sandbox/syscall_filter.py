@@ -306,3 +306,10 @@ def filter_fd() -> int:
         os.close(fd)
         raise
     return fd
+
+
+def syscall_number(name: str) -> int | None:
+    """`name`'s number on this machine's ABI, as libseccomp knows it (None where it is no system call
+    here): for the few calls the pool makes itself through libc's `syscall`, such as keyctl."""
+    number = _resolved(_binding(), name)
+    return number if number >= 0 else None

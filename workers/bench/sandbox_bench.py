@@ -1,8 +1,11 @@
-"""`sprawl bench sandbox`: start latency cold and warm, throughput, and bubblewrap's overhead.
+"""`sprawl bench sandbox`: start latency cold and warm, throughput, the cost of hardening, and the
+hostile catalogue.
 
 All in one run: a plain `python -c` subprocess is the baseline for bubblewrap's overhead; cold
-starts spawn a sandbox per program; warm runs take one from the pool; throughput runs trivial
-programs with the pool sized to the 2 cores; the hostile catalogue counts what stayed contained.
+starts spawn a sandbox per program; warm runs take one from the pool, hardened (cgroup, seccomp,
+scratch tmpfs, fresh keyring) and, as the baseline for what hardening costs, without it;
+throughput runs trivial programs with the pool sized to the 2 cores; the hostile catalogue counts
+what stayed contained and every wrong answer that scored above 0 (`reward_hacks_scored`).
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ async def _cold(n: int, settings: SandboxSettings) -> list[float]:
     return times
 
 
-async def _warm(n: int, settings: SandboxSettings) -> tuple[list[float], float]:
-    pool = BwrapSandboxPool(settings.model_copy(update={"pool_size": 2}))
+async def _warm_latency(n: int, settings: SandboxSettings, *, hardened: bool) -> list[float]:
+    pool = BwrapSandboxPool(settings.model_copy(update={"pool_size": 2}), hardened=hardened)
     await pool.start()
     times = []
     for _ in range(n):
@@ -59,7 +62,12 @@ async def _warm(n: int, settings: SandboxSettings) -> tuple[list[float], float]:
         result = await pool.run(TRIVIAL)
         assert result.error_class is None, result.stderr
         times.append(time.perf_counter() - t0)
+        await pool.settled()  # each warm run on a quiet pool: the previous one's clean-up is not counted
     await pool.close()
+    return times
+
+
+async def _throughput(n: int, settings: SandboxSettings) -> float:
     concurrency = os.cpu_count() or 2
     pool = BwrapSandboxPool(settings.model_copy(update={"pool_size": concurrency * 2}))
     await pool.start()
@@ -75,7 +83,7 @@ async def _warm(n: int, settings: SandboxSettings) -> tuple[list[float], float]:
     await asyncio.gather(*(one() for _ in range(total)))
     rate = total / (time.perf_counter() - t0)
     await pool.close()
-    return times, rate
+    return rate
 
 
 def bench_sandbox(quick: bool) -> tuple[list[dict], dict]:
@@ -85,9 +93,15 @@ def bench_sandbox(quick: bool) -> tuple[list[dict], dict]:
     async def main() -> dict:
         plain = await _plain(n, settings)
         cold = await _cold(n, settings)
-        warm, rate = await _warm(n, settings)
-        contained, total = await _hostile_catalogue(settings)
-        return {"plain": plain, "cold": cold, "warm": warm, "rate": rate, "contained": contained, "total": total}
+        # Interleaved halves, so that a burst of load on a shared machine falls on both alike.
+        warm: list[float] = []
+        unhardened: list[float] = []
+        for _ in range(2):
+            unhardened += await _warm_latency(n // 2, settings, hardened=False)
+            warm += await _warm_latency(n // 2, settings, hardened=True)
+        rate = await _throughput(n, settings)
+        hostile = await _hostile_catalogue(settings)
+        return {"plain": plain, "cold": cold, "warm": warm, "unhardened": unhardened, "rate": rate, **hostile}
 
     r = asyncio.run(main())
     rows = [
@@ -106,6 +120,11 @@ def bench_sandbox(quick: bool) -> tuple[list[dict], dict]:
             "p50_ms": statistics.median(r["warm"]) * 1e3,
             "p99_ms": _pct(r["warm"], 0.99) * 1e3,
         },
+        {
+            "what": "bubblewrap warm pool, unhardened (baseline)",
+            "p50_ms": statistics.median(r["unhardened"]) * 1e3,
+            "p99_ms": _pct(r["unhardened"], 0.99) * 1e3,
+        },
     ]
     summary = {
         "quick": quick,
@@ -115,48 +134,55 @@ def bench_sandbox(quick: bool) -> tuple[list[dict], dict]:
         "cold_p99_ms": round(rows[1]["p99_ms"], 2),
         "warm_p50_ms": round(rows[2]["p50_ms"], 2),
         "warm_p99_ms": round(rows[2]["p99_ms"], 2),
+        "warm_unhardened_p50_ms": round(rows[3]["p50_ms"], 2),
+        "warm_vs_unhardened": round(statistics.median(r["warm"]) / statistics.median(r["unhardened"]), 3),
         "overhead_vs_subprocess": round(statistics.median(r["cold"]) / statistics.median(r["plain"]), 3),
         "verifications_per_s": round(r["rate"], 1),
         "hostile_contained": r["contained"],
         "hostile_total": r["total"],
+        "hostile_escaped": r["escaped"],
+        "reward_hacks_scored": r["hacks_scored"],
+        "uids_retired": r["retired"],
     }
     table = [{k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in row.items()} for row in rows]
     return table, summary
 
 
-async def _hostile_catalogue(settings: SandboxSettings) -> tuple[int, int]:
-    """Each hostile program as a code answer: contained = reward 0 with an error class, sandbox still healthy."""
-    from schemas import PromptGroup
-    from workers.bench.hostile_programs import WALL_CLOCK_CASES, catalogue, code_answer, open_listener
+async def _hostile_catalogue(settings: SandboxSettings) -> dict:
+    """Each hostile program as a code answer. Contained: reward 0 with one of its error classes and a
+    healthy sandbox after it. A reward hack: a wrong answer that scored above 0 (must never happen)."""
+    from workers.bench.hostile_programs import CORRECT_ADD, add_group, catalogue, code_answer, open_listener
     from workers.rewards.verifiers import CodeTests
 
     listener = open_listener()
-    group = PromptGroup(
-        run_id="b",
-        group_id="g",
-        task="code",
-        prompt="",
-        prompt_token_ids=[1],
-        n_samples=1,
-        metadata={"tests": "def test_adds():\n    assert add(2, 3) == 5\n"},
-    )
-    # CPU-bound cases get a wall clock far above their CPU limit; the wall-clock case a short one.
+    group = add_group(run_id="b")
+    # CPU-bound cases get a wall clock far above their CPU limit; the wall-clock cases a short one.
     pool = BwrapSandboxPool(settings.model_copy(update={"pool_size": 2, "max_processes": 24, "wall_timeout_s": 60}))
     short = BwrapSandboxPool(settings.model_copy(update={"pool_size": 1, "max_processes": 24}))
     await pool.start()
     await short.start()
-    contained = 0
+    contained, hacks, escaped = 0, 0, []
     cases = catalogue(listener.getsockname()[1])
     try:
-        for name, (code, classes) in cases.items():
-            chosen = short if name in WALL_CLOCK_CASES else pool
-            trajectory = code_answer(code, run_id="b")
-            verdict = await CodeTests().verify(trajectory, group, chosen)
-            healthy = await chosen.run(TRIVIAL)
-            if verdict.value == 0.0 and verdict.error_class in classes and healthy.error_class is None:
+        for name, case in cases.items():
+            chosen = short if case.wall_clock else pool
+            verdict = await CodeTests().verify(code_answer(case.code, run_id="b"), group, chosen)
+            healthy = await CodeTests().verify(code_answer(CORRECT_ADD, run_id="b"), group, chosen)
+            hacks += verdict.value > 0
+            if verdict.value == 0.0 and verdict.error_class in case.classes and healthy.value == 1.0:
                 contained += 1
+            else:
+                escaped.append(f"{name}: {verdict.value} {verdict.error_class}")
+        for p in (pool, short):
+            await p.settled()
     finally:
         listener.close()
         await pool.close()
         await short.close()
-    return contained, len(cases)
+    return {
+        "contained": contained,
+        "total": len(cases),
+        "escaped": escaped,
+        "hacks_scored": hacks,
+        "retired": len(pool.retired) + len(short.retired),
+    }
