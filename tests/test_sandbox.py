@@ -354,3 +354,64 @@ def test_modal_requests_carry_the_same_limits():
     request = modal_sandbox_request(SandboxSettings(wall_timeout_s=7, memory_mb=256), "print(1)")
     assert request["block_network"] is True and request["timeout"] == 7 and request["memory"] == 256
     assert request["args"][-1] == "print(1)"
+
+
+_POOL_THAT_GETS_KILLED = """
+import asyncio, sys
+from pipeline.sandbox import SandboxSettings
+from pipeline.sandbox.bubblewrap import BwrapSandboxPool
+
+async def main():
+    settings = SandboxSettings(pool_size=2, wall_timeout_s=600)
+    pool = BwrapSandboxPool(settings)
+    await pool.start()
+    print("uids", *pool.uids, flush=True)
+    running = asyncio.create_task(
+        pool.run("import os, time\\nif os.fork() == 0:\\n    os.setsid()\\nopen('/work/up', 'w').close()\\ntime.sleep(600)")
+    )
+    while not any((settings.scratch_dir / str(uid) / "work" / "up").exists() for uid in pool.uids):
+        await asyncio.sleep(0.05)
+    print("up", flush=True)  # the program runs, its daemon too
+    await running
+
+asyncio.run(main())
+"""
+
+
+def _mounted(paths: set[str]) -> set[str]:
+    with open("/proc/self/mountinfo") as mountinfo:
+        return {line.split()[4] for line in mountinfo} & paths
+
+
+async def test_a_sigkilled_worker_leaves_nothing_the_next_pool_does_not_clean():
+    worker = subprocess.Popen([sys.executable, "-c", _POOL_THAT_GETS_KILLED], stdout=subprocess.PIPE, text=True)
+    for line in worker.stdout:  # its log lines come first
+        if line.startswith("uids "):
+            break
+    uids = tuple(map(int, line.split()[1:]))
+    assert uids, "the pool in the worker did not start"
+    for line in worker.stdout:
+        if line.startswith("up"):
+            break
+    worker.kill()  # SIGKILL: no finally, no close
+    worker.wait(timeout=120)
+    scratch = {str(LIMITS.scratch_dir / str(uid)) for uid in uids}
+    cgroup_name = f"sprawl-sandbox-{worker.pid}-"
+    cgroup_roots = [Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/unified")]
+
+    def leftover_cgroups() -> list[Path]:
+        return [p for root in cgroup_roots if root.is_dir() for p in root.glob(f"**/{cgroup_name}*")]
+
+    assert _mounted(scratch), "the killed worker left its scratch mounts (the state this test is about)"
+    # Above the dead pool's uids, so that what is mounted there afterwards can only be its leftovers.
+    successor = BwrapSandboxPool(LIMITS.model_copy(update={"uid_base": max(uids) + 1}))
+    await successor.start()
+    try:
+        assert not _mounted(scratch), "a dead pool's scratch mounts were not detached"
+        assert leftover_cgroups() == [], "a dead pool's cgroups were not swept"
+        give_up = time.monotonic() + 300  # a hang guard: bwrap --die-with-parent ends them at once
+        while processes_of(uids):
+            assert time.monotonic() < give_up, processes_of(uids)
+            await asyncio.sleep(0.05)
+    finally:
+        await successor.close()

@@ -249,6 +249,8 @@ class BwrapSandboxPool:
                 self.scratch = None
         else:
             self.scratch = None
+        if self.scratch is not None:
+            self._sweep_scratch(self.scratch)
         lease = lease_uids(self.slots, uid_base=s.uid_base, uid_span=s.uid_span, lock_dir=s.uid_lock_dir)
         self.leases.append(lease)
         self._refuse_shared_uids(lease)
@@ -285,6 +287,20 @@ class BwrapSandboxPool:
             return
         self.cgroups = opened
         await opened.sweep_stale()  # a SIGKILLed worker's sandboxes: killed, their cgroups removed
+
+    def _sweep_scratch(self, scratch: ScratchSpace) -> None:
+        """Detach the scratch mounts a crashed pool left (a SIGKILLed worker cleans nothing): those of
+        uids no live pool leases. A uid's lease is held by its pool for as long as it lives."""
+        s = self.settings
+        for uid in scratch.leftovers():
+            try:
+                lease = lease_uids(1, uid_base=uid, uid_span=1, lock_dir=s.uid_lock_dir)
+            except SandboxUnavailable:
+                continue  # a live pool's
+            try:
+                scratch.release(uid)
+            finally:
+                lease.release()
 
     def _refuse_shared_uids(self, lease: UidLease) -> None:
         """A process already running as one of our new uids belongs to a pool that leases elsewhere (a

@@ -78,16 +78,21 @@ def child_pids() -> list[int]:
 
 
 def processes_of(uids: Container[int]) -> list[int]:
-    """Every live (not yet reaped) process on this host, as far as /proc shows, that runs as one of
-    `uids`: its real, effective, saved or filesystem uid is one of them."""
+    """Every live process on this host, as far as /proc shows, that runs as one of `uids`: its real,
+    effective, saved or filesystem uid is one of them. Zombies are left out: they run nothing, hold
+    nothing but a pid, and one whose parent is not us (a dead pool's, reparented to an init that
+    reaps when it likes) is beyond anyone's reach here; our own are reaped by `reap_orphans`."""
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         with contextlib.suppress(FileNotFoundError, ProcessLookupError), open(f"/proc/{entry.name}/status") as status:
+            zombie = False
             for line in status:
-                if line.startswith("Uid:"):
-                    if any(int(uid) in uids for uid in line.split()[1:]):
+                if line.startswith("State:"):
+                    zombie = line.split()[1] in ("Z", "X")
+                elif line.startswith("Uid:"):
+                    if not zombie and any(int(uid) in uids for uid in line.split()[1:]):
                         found.append(int(entry.name))
                     break
     return found

@@ -94,6 +94,12 @@ class ScratchSpace:
             _detach(target)
             raise
 
+    def leftovers(self) -> list[int]:
+        """uids that have a scratch folder here (mounted or not): a crashed pool leaves its mounts."""
+        if not self.root.is_dir():
+            return []
+        return sorted(int(entry.name) for entry in os.scandir(self.root) if entry.name.isdigit())
+
     def release(self, uid: int) -> None:
         """Detach the scratch of `uid`: its pages are freed once the sandbox's mount namespace is gone."""
         with contextlib.suppress(OSError):
