@@ -162,16 +162,36 @@ async def test_no_keyring_is_shared_with_the_worker_or_another_sandbox(pool):
         assert planted.decode() not in result.stdout and "planted-by-a-sandbox" not in result.stdout
 
 
+_RESPAWNS_A_PROCESS_PER_UID = """
+import ctypes, os, signal, sys, threading, time
+
+def keep_one_running(uid):
+    while True:
+        pid = os.fork()
+        if pid == 0:
+            os.setuid(uid)
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (after setuid, which clears it)
+            time.sleep(600)
+            os._exit(0)
+        os.waitpid(pid, 0)
+
+for uid in map(int, sys.argv[1:]):
+    threading.Thread(target=keep_one_running, args=(uid,), daemon=True).start()
+print('ready', flush=True)
+sys.stdin.read()
+"""
+
+
 async def test_a_uid_that_cannot_be_cleaned_is_retired_and_replaced():
     pool = BwrapSandboxPool(LIMITS.model_copy(update={"pool_size": 1, "cleanup_patience_s": 0.5}))
     await pool.start()
-    # A zombie of each uid whose parent never reaps it: nothing can kill it, so no uid looks clean.
+    # Something outside the pool that keeps a process running as each of its uids, however often it is
+    # killed (a root process respawning it): no uid can be cleaned.
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import os, sys\nfor uid in map(int, sys.argv[1:]):\n    if os.fork() == 0:\n        os.setuid(uid)\n"
-            "        os._exit(0)\nprint('ready', flush=True)\nsys.stdin.read()",
+            _RESPAWNS_A_PROCESS_PER_UID,
             *map(str, pool.uids),
         ],
         stdin=subprocess.PIPE,
@@ -366,9 +386,8 @@ async def main():
     pool = BwrapSandboxPool(settings)
     await pool.start()
     print("uids", *pool.uids, flush=True)
-    running = asyncio.create_task(
-        pool.run("import os, time\\nif os.fork() == 0:\\n    os.setsid()\\nopen('/work/up', 'w').close()\\ntime.sleep(600)")
-    )
+    daemon = "import os, time\\nif os.fork() == 0:\\n    os.setsid()\\nopen('/work/up', 'w').close()\\ntime.sleep(600)"
+    running = asyncio.create_task(pool.run(daemon))
     while not any((settings.scratch_dir / str(uid) / "work" / "up").exists() for uid in pool.uids):
         await asyncio.sleep(0.05)
     print("up", flush=True)  # the program runs, its daemon too
