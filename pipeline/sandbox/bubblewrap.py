@@ -27,11 +27,13 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import hashlib
 import os
 import shutil
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from pipeline.logs import get_logger
 from pipeline.sandbox import SandboxResult, SandboxSettings, SandboxUnavailable
@@ -156,6 +158,13 @@ def bwrap_argv(
     ]
 
 
+def scratch_root(settings: SandboxSettings) -> Path:
+    """Where this pool's scratch mounts go: one folder per uid lock folder, because the lock on a uid
+    is what says whose its scratch is (a pool that leases elsewhere must not take ours for leftovers)."""
+    key = hashlib.sha256(str(settings.uid_lock_dir.resolve()).encode()).hexdigest()[:12]
+    return settings.scratch_dir / key
+
+
 @dataclasses.dataclass
 class _Warm:
     """One started sandbox waiting for its program."""
@@ -208,7 +217,7 @@ class BwrapSandboxPool:
         """uids that could not be cleaned after a run: still leased (no one else gets them), never reused."""
         self.cgroups = None
         self.scratch: ScratchSpace | None = ScratchSpace(
-            settings.scratch_dir, size_mb=settings.tmpfs_mb, max_inodes=settings.max_inodes
+            scratch_root(settings), size_mb=settings.tmpfs_mb, max_inodes=settings.max_inodes
         )
         self.limits = CgroupLimits(
             memory_bytes=settings.memory_mb << 20, pids=settings.max_processes, cpus=settings.cpus
@@ -290,9 +299,12 @@ class BwrapSandboxPool:
 
     def _sweep_scratch(self, scratch: ScratchSpace) -> None:
         """Detach the scratch mounts a crashed pool left (a SIGKILLed worker cleans nothing): those of
-        uids no live pool leases. A uid's lease is held by its pool for as long as it lives."""
+        uids no live pool leases (a lease is held by its pool for as long as it lives) and nothing runs
+        as (a pool that leases through another lock folder is refused at start, but only after this)."""
         s = self.settings
         for uid in scratch.leftovers():
+            if processes_of((uid,)):
+                continue
             try:
                 lease = lease_uids(1, uid_base=uid, uid_span=1, lock_dir=s.uid_lock_dir)
             except SandboxUnavailable:
@@ -474,5 +486,8 @@ class BwrapSandboxPool:
             await self.cgroups.close()
         for lease in self.leases:
             reap_orphans(lease.uids)
+            if self.scratch is not None:
+                for uid in lease.uids:
+                    self.scratch.forget(uid)
             lease.release()
         self._spawner.shutdown(wait=False)

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import stat
 from pathlib import Path
 
 from pipeline.sandbox import SandboxUnavailable
@@ -48,6 +49,15 @@ def _detach(target: Path) -> bool:
     raise OSError(code, f"unmounting the sandbox scratch at {target}: {os.strerror(code)}")
 
 
+def _refuse_foreign(root: Path) -> None:
+    """The folder we mount under must be ours alone: a symlink or a folder someone else may write
+    (it lives under /tmp by default) could point our mounts anywhere."""
+    for folder in (root.parent, root):
+        info = os.lstat(folder)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+            raise OSError(errno.EPERM, f"{folder} is not a folder that only this user owns and may write")
+
+
 class ScratchSpace:
     """Fresh, capped tmpfs mounts for sandboxes, one per uid at a time, under `root`."""
 
@@ -59,9 +69,11 @@ class ScratchSpace:
         probe = self.root / "probe"
         try:
             self.root.mkdir(mode=0o755, parents=True, exist_ok=True)
+            _refuse_foreign(self.root)
             probe.mkdir(exist_ok=True)
             _mount_tmpfs(probe, "size=1m,nr_inodes=16,mode=0700")
             _detach(probe)
+            probe.rmdir()
         except OSError as exc:
             raise SandboxUnavailable(
                 f"cannot mount a tmpfs for sandbox scratch space under {self.root}: {exc.strerror}",
@@ -99,6 +111,13 @@ class ScratchSpace:
         if not self.root.is_dir():
             return []
         return sorted(int(entry.name) for entry in os.scandir(self.root) if entry.name.isdigit())
+
+    def forget(self, uid: int) -> None:
+        """Detach and remove the folder of `uid` (the pool is done with it), and the root once empty."""
+        self.release(uid)
+        for folder in (self.path(uid), self.root):
+            with contextlib.suppress(OSError):  # another pool's scratch is still there, or nothing was
+                folder.rmdir()
 
     def release(self, uid: int) -> None:
         """Detach the scratch of `uid`: its pages are freed once the sandbox's mount namespace is gone."""
