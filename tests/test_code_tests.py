@@ -393,7 +393,8 @@ async def test_exiting_between_cases_is_an_incomplete_result(sandbox):
 async def test_a_process_left_behind_does_not_hold_up_the_verdict(sandbox):
     code = "import os, time\nif os.fork() == 0:\n    time.sleep(600)\ndef add(a, b):\n    return a - b"
     verdict = await _verify(sandbox, code)
-    assert verdict.error_class == "test_failed" and verdict.components["duration_s"] < 30
+    # Judged once the answer's own process ended, not when the wall clock killed the sandbox (a timeout).
+    assert verdict.error_class == "test_failed" and not sandbox.results[-1].timed_out
 
 
 async def test_a_limit_names_the_zero(sandbox):

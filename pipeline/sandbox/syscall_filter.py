@@ -245,6 +245,15 @@ def _deny_personality_changes(binding: ModuleType, syscalls) -> None:
         syscalls.add_rule(deny, personality, binding.Arg(0, binding.MASKED_EQ, pair, 0b10 << bit))
 
 
+def _deny_limits_of_others(binding: ModuleType, syscalls) -> None:
+    """prlimit64 on another process: same-uid processes (the code_tests harness's parent, which never
+    runs candidate code) would otherwise have their limits lowered under them by the candidate. Its
+    own limits (pid 0, as glibc's setrlimit and getrlimit pass) stay its to read and lower."""
+    prlimit64 = _resolved(binding, "prlimit64")
+    if prlimit64 >= 0:
+        syscalls.add_rule(binding.ERRNO(errno.EPERM), prlimit64, binding.Arg(0, binding.NE, 0))
+
+
 def _deny_socket_families(binding: ModuleType, syscalls) -> None:
     socket_number = _required_number(binding, "socket")
     refused = binding.ERRNO(errno.EAFNOSUPPORT)
@@ -270,6 +279,7 @@ def _compiled() -> tuple[bytes, dict[str, str]]:
     _deny_terminal_injection(binding, syscalls)
     _deny_personality_changes(binding, syscalls)
     _deny_socket_families(binding, syscalls)
+    _deny_limits_of_others(binding, syscalls)
     with tempfile.TemporaryFile() as program:
         syscalls.export_bpf(program)
         program.seek(0)

@@ -179,6 +179,24 @@ def catalogue(listener_port: int, secret_file: str = SECRET_FILE) -> dict[str, H
             "            return case['expected']\n    return None",
             frozenset({"test_failed"}),
         ),
+        # --- reaching the harness's parent (same uid, never runs candidate code)
+        "interrupt_the_harness": _attack("import os, signal\nos.kill(os.getppid(), signal.SIGINT)", {"test_failed"}),
+        "lower_the_harness_limits": _attack(
+            "import os, resource\nresource.prlimit(os.getppid(), resource.RLIMIT_AS, (1 << 20, 1 << 20))", denied
+        ),
+        "cpu_limit_inside_the_function": HostileCase(
+            "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\ndef add(a, b):\n    while True:\n"
+            "        pass",
+            frozenset({"cpu"}),
+        ),
+        "infinite_outcome_on_the_harness_pipe": HostileCase(
+            # The candidate owns the child, so it may write the child's outcome lines itself.
+            "import os, sys\nframe = sys._getframe(1)\nwhile frame and 'write_fd' not in frame.f_locals:\n"
+            "    frame = frame.f_back\n"
+            'os.write(frame.f_locals[\'write_fd\'], b\'{"kind":"returned","value":1e999}\\n\')\n'
+            "os._exit(0)\ndef add(a, b):\n    return 0",
+            frozenset({"malformed_result"}),
+        ),
     }
 
 

@@ -273,8 +273,13 @@ def _check_value(value, depth):
     kind = type(value)
     if depth > _MAX_DEPTH:
         raise _Malformed("a value nested deeper than " + str(_MAX_DEPTH))
-    if value is None or kind is bool or kind is float:
-        return  # finite: NaN and the infinities are refused by _no_constants
+    if value is None or kind is bool:
+        return
+    if kind is float:
+        # NaN and the infinities as tokens are refused by _no_constants; 1e999 still parses to inf.
+        if value != value or value in (float("inf"), float("-inf")):
+            raise _Malformed("a float that is not finite")
+        return
     if kind is int:
         if value.bit_length() > _MAX_INT_BITS:
             raise _Malformed("an integer over " + str(_MAX_INT_BITS) + " bits")
@@ -429,6 +434,12 @@ def _main():
             os.close(read_fd)
             _child(write_fd)  # never returns: it ends in os._exit
         os.close(write_fd)
+        # The child shares our uid and may signal us: a catchable signal must not end us before the
+        # record is written (SIGKILL and SIGSTOP cannot be helped: no record, or the wall timeout).
+        for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGTSTP",
+                     "SIGTTIN", "SIGTTOU", "SIGVTALRM", "SIGPROF", "SIGPOLL", "SIGPWR"):
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
         data, wait_status, overflowed = _collect(read_fd, pid, _INPUT["child_cap"])
         record = _verdict_record(data, wait_status, overflowed)
         encoded = _encode(record)
@@ -444,7 +455,8 @@ def _main():
     # limit, a crash) sees how the candidate's process ended.
     if wait_status is not None and not overflowed and os.WIFSIGNALED(wait_status):
         number = os.WTERMSIG(wait_status)
-        signal.signal(number, signal.SIG_DFL)
+        if number not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be (and need not be) reset
+            signal.signal(number, signal.SIG_DFL)
         os.kill(os.getpid(), number)
     if wait_status is not None and not overflowed and os.WIFEXITED(wait_status):
         os._exit(os.WEXITSTATUS(wait_status))
