@@ -126,6 +126,12 @@ def bwrap_argv(
         "/bin",
         "--proc",
         "/proc",
+        # bwrap's init (pid 1 here) runs as the sandbox's uid and is dumpable: through /proc/1/mem a
+        # program could write into it and choose the exit status the host sees. Nothing of it shows.
+        "--tmpfs",
+        "/proc/1",
+        "--remount-ro",
+        "/proc/1",
         "--dev",
         "/dev",
         *writable,

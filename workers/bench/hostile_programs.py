@@ -179,6 +179,7 @@ def catalogue(listener_port: int, secret_file: str = SECRET_FILE) -> dict[str, H
             "            return case['expected']\n    return None",
             frozenset({"test_failed"}),
         ),
+        "write_into_the_sandbox_init": _attack("import os\nos.open('/proc/1/mem', os.O_RDWR)", {"permission"}),
         # --- reaching the harness's parent (same uid, never runs candidate code)
         "interrupt_the_harness": _attack("import os, signal\nos.kill(os.getppid(), signal.SIGINT)", {"test_failed"}),
         "lower_the_harness_limits": _attack(
