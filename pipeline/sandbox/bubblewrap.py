@@ -266,9 +266,7 @@ class BwrapSandboxPool:
             self.scratch = None
         if self.scratch is not None:
             self._sweep_scratch(self.scratch)
-        lease = lease_uids(self.slots, uid_base=s.uid_base, uid_span=s.uid_span, lock_dir=s.uid_lock_dir)
-        self.leases.append(lease)
-        self._refuse_shared_uids(lease)
+        lease = self._lease(self.slots)
         self._subreaper = _become_subreaper()
         for uid in lease.uids:
             self._free_uids.put_nowait(uid)
@@ -320,19 +318,23 @@ class BwrapSandboxPool:
             finally:
                 lease.release()
 
-    def _refuse_shared_uids(self, lease: UidLease) -> None:
-        """A process already running as one of our new uids belongs to a pool that leases elsewhere (a
-        second worker with another `uid_lock_dir`, another container on this host): sharing the uids
-        would share process limits and make "every process of the uid is gone" unverifiable."""
+    def _lease(self, count: int) -> UidLease:
+        """`count` more uids for this pool, or SandboxUnavailable. A process already running as one of
+        them belongs to a pool that leases elsewhere (a second worker with another `uid_lock_dir`,
+        another container on this host): sharing the uids would share process limits and make "every
+        process of the uid is gone" unverifiable, so such a lease is given back and refused."""
+        s = self.settings
+        lease = lease_uids(count, uid_base=s.uid_base, uid_span=s.uid_span, lock_dir=s.uid_lock_dir)
         if others := processes_of(lease.uids):
             lease.release()
-            self.leases.remove(lease)
             raise SandboxUnavailable(
                 f"sandbox uids {lease.first}..{lease.first + lease.count - 1} are already in use on this host "
                 f"(by pids {', '.join(map(str, others[:5]))}), though no pool here leases them",
                 hint="give each reward worker on a host the same SPRAWL_SANDBOX__UID_LOCK_DIR, or disjoint "
                 "SPRAWL_SANDBOX__UID_BASE ranges",
             )
+        self.leases.append(lease)
+        return lease
 
     def _refill(self) -> None:
         task = asyncio.create_task(self._spawn_into_pool())
@@ -447,29 +449,22 @@ class BwrapSandboxPool:
                 self.scratch.release(warm.uid)
             survivors = await kill_processes_of(warm.uid, patience)
         except (OSError, TimeoutError) as exc:
-            await self._retire(warm.uid, f"cleaning up {warm.sandbox_id} failed: {exc!r}")
+            self._retire(warm.uid, f"cleaning up {warm.sandbox_id} failed: {exc!r}")
             return
         if survivors:
-            await self._retire(warm.uid, f"processes {survivors[:10]} survived the kill after {patience} s")
+            self._retire(warm.uid, f"processes {survivors[:10]} survived the kill after {patience} s")
             return
         self._free_uids.put_nowait(warm.uid)
 
-    async def _retire(self, uid: int, why: str) -> None:
+    def _retire(self, uid: int, why: str) -> None:
         """`uid` could not be cleaned after its sandbox was killed: keep it leased but unused, and
         lease a fresh uid in its place so the pool keeps its size."""
         self.retired.append(uid)
         log.error("sandbox uid retired: it could not be cleaned after its run", uid=uid, why=why)
-        s = self.settings
         try:
-            lease = lease_uids(1, uid_base=s.uid_base, uid_span=s.uid_span, lock_dir=s.uid_lock_dir)
+            lease = self._lease(1)
         except SandboxUnavailable as exc:
             log.error("no uid to replace a retired one: the pool runs one sandbox fewer", error=exc.message)
-            return
-        self.leases.append(lease)
-        try:
-            self._refuse_shared_uids(lease)
-        except SandboxUnavailable as exc:
-            log.error("the uid leased to replace a retired one is in use", error=exc.message)
             return
         self._free_uids.put_nowait(lease.first)
 

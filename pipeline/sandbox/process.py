@@ -82,20 +82,30 @@ def processes_of(uids: Container[int]) -> list[int]:
     effective, saved or filesystem uid is one of them. Zombies are left out: they run nothing, hold
     nothing but a pid, and one whose parent is not us (a dead pool's, reparented to an init that
     reaps when it likes) is beyond anyone's reach here; our own are reaped by `reap_orphans`."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError), open(f"/proc/{entry.name}/status") as status:
-            zombie = False
+    pids = (int(entry.name) for entry in os.scandir("/proc") if entry.name.isdigit())
+    return [pid for pid in pids if _runs_as(pid, uids)]
+
+
+def _status(pid: int) -> tuple[str, list[int]] | None:
+    """A process's state letter and its real, effective, saved and filesystem uids (None: it is gone)."""
+    state, uids = "", []
+    try:
+        with open(f"/proc/{pid}/status") as status:
             for line in status:
                 if line.startswith("State:"):
-                    zombie = line.split()[1] in ("Z", "X")
+                    state = line.split()[1]
                 elif line.startswith("Uid:"):
-                    if not zombie and any(int(uid) in uids for uid in line.split()[1:]):
-                        found.append(int(entry.name))
+                    uids = [int(uid) for uid in line.split()[1:]]
                     break
-    return found
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return state, uids
+
+
+def _runs_as(pid: int, uids: Container[int]) -> bool:
+    """`pid` is alive, not a zombie, and one of its uids is one of `uids`."""
+    status = _status(pid)
+    return status is not None and status[0] not in ("Z", "X") and any(uid in uids for uid in status[1])
 
 
 async def kill_processes_of(uid: int, patience_s: float) -> list[int]:
@@ -115,7 +125,7 @@ async def kill_processes_of(uid: int, patience_s: float) -> list[int]:
             except (ProcessLookupError, OSError):
                 continue
             try:
-                if uid_of(pid) == uid:  # still the process we found, not a reuse of its pid
+                if _runs_as(pid, (uid,)):  # still the process we found, not a reuse of its pid
                     with contextlib.suppress(ProcessLookupError):
                         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             finally:
@@ -126,14 +136,9 @@ async def kill_processes_of(uid: int, patience_s: float) -> list[int]:
 
 
 def uid_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("Uid:"):
-                    return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return None
+    """A process's real uid (None: it is gone)."""
+    status = _status(pid)
+    return status[1][0] if status is not None and status[1] else None
 
 
 async def _reap_child(pid: int) -> float:
