@@ -224,8 +224,11 @@ async def test_up_in_process_trains_a_mixed_fleet_for_a_few_versions(event_log, 
     from infra.streams import apply
     from pipeline.blobstore import S3BlobStore
     from pipeline.config import load_settings
+    from pipeline.log_lookup import count_subjects
     from pipeline.replay import replay
+    from pipeline.topology import DEADLETTER
     from schemas import TrainerMetrics
+    from tests.servers import HANG_GUARD_S
     from workers.rewards.worker import RewardWorker
     from workers.sampler.island import build_island
     from workers.sampler.worker import SamplerWorker
@@ -274,10 +277,13 @@ async def test_up_in_process_trains_a_mixed_fleet_for_a_few_versions(event_log, 
     fleet.append(asyncio.create_task(RewardWorker(loaded["rewards"], event_log, None).run(stop)))
     try:
         # The trainer returns once it has published the last version; a worker that fails ends the wait first.
-        done, _ = await asyncio.wait([trainer, *fleet], return_when=asyncio.FIRST_COMPLETED)
+        # A prompt group dead-lettered by the islands starves the trainer (nothing tops the prompts up
+        # here): the guard turns that into a failure that says so, instead of a silent wait.
+        done, _ = await asyncio.wait([trainer, *fleet], timeout=HANG_GUARD_S, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
             task.result()
-        assert trainer in done
+        dead = await count_subjects(event_log, DEADLETTER.name, f"rl.{up.run_id}.deadletter.>")
+        assert trainer in done, f"the trainer never finished; {dead} events of the run were dead-lettered"
     finally:
         stop.set()
         await asyncio.gather(trainer, *fleet, return_exceptions=True)

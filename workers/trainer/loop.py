@@ -27,6 +27,7 @@ from pipeline.eventlog import EventLog
 from pipeline.lease import RunLease
 from pipeline.log_lookup import count_subjects
 from pipeline.logs import get_logger
+from pipeline.model_construction import MODEL_CONSTRUCTION
 from pipeline.replay import Follower
 from pipeline.topology import (
     REWARDS,
@@ -91,7 +92,8 @@ class Trainer:
     def _load_model(self) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(self.cfg.model_dir, dtype=torch.float32)
+        with MODEL_CONSTRUCTION:  # transformers switches torch's process-wide default dtype meanwhile
+            self.model = AutoModelForCausalLM.from_pretrained(self.cfg.model_dir, dtype=torch.float32)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay
         )

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import SprawlError
+from pipeline.model_construction import MODEL_CONSTRUCTION
 from pipeline.sampling import draw, process_logits, truncates
 from schemas import VersionSpan
 from workers.sampler.engines.base import Capabilities, EngineUnavailable, GenerateRequest, Sample
@@ -142,7 +143,8 @@ class ReferenceEngine:
         from transformers import AutoModelForCausalLM
 
         config = load_config(path)
-        model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+        with MODEL_CONSTRUCTION:  # transformers switches torch's process-wide default dtype meanwhile
+            model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
         model.load_state_dict(state, strict=True)
         model.to(self.device).eval()
         keyword = cache_keyword(model)
