@@ -17,7 +17,7 @@ async def test_engines_built_at_once_are_each_in_their_own_dtype(tmp_path):
         engines = [ReferenceEngine(dtype=dtype) for dtype in (torch.bfloat16, torch.bfloat16, torch.float32)]
         states = [{k: v.to(engine.dtype) for k, v in model.state_dict().items()} for engine in engines]
         await asyncio.gather(
-            *(asyncio.to_thread(engine._build, tmp_path, state, 0) for engine, state in zip(engines, states, strict=True))
+            *(asyncio.to_thread(e._build, tmp_path, state, 0) for e, state in zip(engines, states, strict=True))
         )
         trials.append([{p.dtype for p in engine.model.parameters()} for engine in engines])
     for dtypes in trials:
