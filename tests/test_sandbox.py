@@ -231,9 +231,19 @@ def _kill_frozen(frozen: Path) -> None:
     frozen.rmdir()
 
 
+async def _a_uid_a_sandbox_runs_as(pool: BwrapSandboxPool) -> int:
+    """One of `pool`'s uids that a warm sandbox runs as: warm sandboxes are started in the background,
+    and the uid the start probe used is cleaned and queued again, so no uid is busy at a fixed moment."""
+    give_up = time.monotonic() + 300  # a hang guard only
+    while not (busy := [uid for uid in pool.uids if processes_of((uid,))]):
+        assert time.monotonic() < give_up, "no warm sandbox started"
+        await asyncio.sleep(0.01)
+    return min(busy)
+
+
 async def test_uids_in_use_by_a_pool_that_leases_elsewhere_are_refused(pool, tmp_path):
     """Two workers with different lock folders (two containers on one host, say) must not share uids."""
-    taken = min(pool.uids)  # a warm sandbox of `pool` runs as one of its uids right now
+    taken = await _a_uid_a_sandbox_runs_as(pool)
     other = BwrapSandboxPool(LIMITS.model_copy(update={"uid_base": taken, "uid_span": 8, "uid_lock_dir": tmp_path}))
     with pytest.raises(SandboxUnavailable, match="already in use on this host"):
         await other.start()
