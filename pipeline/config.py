@@ -91,6 +91,12 @@ class NatsSettings(Section):
     connect_attempts: int = Field(3, ge=2)
     """Attempts per server of the first connection before giving up with an error (the worker
     exits non-zero and its supervisor restarts it, visibly); at least 2, as the client counts."""
+    tls_ca_file: Path | None = None
+    """CA certificate (PEM) that signed the server's certificate. Set: every connection is TLS and the
+    server must prove it holds a certificate from this CA (the local stack makes one)."""
+    tls_server_name: str | None = None
+    """Name the server's certificate must carry, when it is not the host in the URL (an island that
+    reaches the stack by an address the certificate does not list). None: the URL's host."""
 
     @field_validator("url")
     @classmethod
@@ -133,6 +139,11 @@ class S3BlobSettings(Section):
     """Timeout to open a connection to the endpoint."""
     read_timeout_s: float = Field(60.0, gt=0)
     """Timeout of a read on an open connection."""
+    ca_file: Path | None = None
+    """CA certificate (PEM) to verify an https endpoint with (the local stack's own CA); None: the
+    system's trust store."""
+    tls_server_name: str | None = None
+    """Name the endpoint's certificate must carry, when it is not the host in `endpoint_url`."""
     max_download_mbps: float | None = Field(None, gt=0)
     """Cap on this process's download rate in megabits/s (None: no cap). Keeps a sampler from
     saturating a shared cross-region link; `sprawl bench sync` uses it to model one."""
@@ -264,6 +275,20 @@ class MaterializeSettings(Section):
     """How long to wait for a version that is not in the log yet."""
 
 
+class TrustSettings(Section):
+    """Who may publish the weights an island serves: the trainer signs each version's manifest with an
+    Ed25519 key, and islands serve only versions signed by the public key pinned here."""
+
+    version_public_key: str | None = None
+    """The trainer's Ed25519 public key (PEM, or base64 of the 32 raw bytes). Set: an island refuses a
+    version that is unsigned, signed by another key, or whose blobs differ from its signed digests."""
+    signing_key_file: Path | None = None
+    """The trainer's Ed25519 private key (PEM). Only the trainer reads it; it signs every version."""
+    allow_unsigned_versions: bool = False
+    """Serve (island) or publish (trainer) versions without signatures when no key is configured.
+    Off: a worker with no key refuses to start, so an unverified fleet is a choice, never an accident."""
+
+
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
@@ -293,6 +318,8 @@ class SprawlSettings(BaseSettings):
     """How events are appended."""
     streams: StreamSettings = StreamSettings()
     """How streams and consumers are declared (`sprawl infra apply`)."""
+    trust: TrustSettings = TrustSettings()
+    """Which signed versions islands serve, and the key the trainer signs them with."""
 
     @field_validator("run_id")
     @classmethod
