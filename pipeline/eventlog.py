@@ -20,8 +20,10 @@ import asyncio
 import contextlib
 import os
 import socket
+import ssl
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import nats.errors
 import nats.js.errors
@@ -29,7 +31,7 @@ from nats.aio.client import Client as NATS
 from nats.js import api
 
 from pipeline.blobstore import BlobStore, open_blob_store
-from pipeline.config import LogSettings, NatsSettings, SprawlSettings
+from pipeline.config import ConfigError, LogSettings, NatsSettings, SprawlSettings
 from pipeline.errors import (
     AppendConflict,
     AppendFailed,
@@ -111,6 +113,10 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
         options["password"] = settings.password.get_secret_value() if settings.password else ""
     if settings.creds_file:
         options["user_credentials"] = str(settings.creds_file)
+    if settings.tls_ca_file:
+        options["tls"] = tls_context(settings.tls_ca_file)
+        if settings.tls_server_name:
+            options["tls_hostname"] = settings.tls_server_name
 
     nc = NATS()
 
@@ -134,6 +140,19 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
         ) from exc
     nc.options["max_reconnect_attempts"] = -1  # from now on a restart of the server is waited out
     return nc
+
+
+def tls_context(ca_file: Path) -> ssl.SSLContext:
+    """A client context that trusts only `ca_file` (the stack's own CA, not the system's store), checks
+    the server's name and speaks TLS 1.2 or later."""
+    try:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca_file))
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"cannot read the NATS CA certificate {ca_file}: {exc}", hint="check nats.tls_ca_file"
+        ) from exc
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
 
 
 class EventLog:
