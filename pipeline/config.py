@@ -140,10 +140,8 @@ class S3BlobSettings(Section):
     read_timeout_s: float = Field(60.0, gt=0)
     """Timeout of a read on an open connection."""
     ca_file: Path | None = None
-    """CA certificate (PEM) to verify an https endpoint with (the local stack's own CA); None: the
-    system's trust store."""
-    tls_server_name: str | None = None
-    """Name the endpoint's certificate must carry, when it is not the host in `endpoint_url`."""
+    """CA certificate (PEM) to verify an https endpoint with (the local stack's own CA, whose server
+    certificate lists the addresses islands use); None: the system's trust store."""
     max_download_mbps: float | None = Field(None, gt=0)
     """Cap on this process's download rate in megabits/s (None: no cap). Keeps a sampler from
     saturating a shared cross-region link; `sprawl bench sync` uses it to model one."""
