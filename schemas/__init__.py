@@ -21,10 +21,12 @@ from schemas.events import (
     TrainerMetrics,
     Trajectory,
     VersionConstraint,
+    VersionSignature,
     VersionSpan,
     ViewVersion,
 )
 from schemas.lineage import Lineage, LineageDecodeError, LineageGroup, LineageMember, decode_lineage, encode_lineage
+from schemas.version_manifest import VersionManifest
 
 __all__ = [
     "ArchiveKey",
@@ -51,6 +53,8 @@ __all__ = [
     "TrainerMetrics",
     "Trajectory",
     "VersionConstraint",
+    "VersionManifest",
+    "VersionSignature",
     "VersionSpan",
     "ViewVersion",
     "decode_event",

@@ -92,6 +92,23 @@ class ViewVersion(Component, kw_only=True):
     skip_patches: list[SkipPatch] = []
 
 
+KeyId = Annotated[
+    str,
+    msgspec.Meta(pattern=whole_string("[0-9a-f]{16}"), description="First 16 hex of the SHA-256 of a raw public key."),
+]
+
+
+class VersionSignature(Component, kw_only=True):
+    """The trainer's signature over a version's manifest (`schemas/version_manifest.py` names the exact
+    bytes signed)."""
+
+    algorithm: Literal["ed25519"] = "ed25519"
+    key_id: KeyId
+    """Which key signed: an island pinned to another key says so instead of "bad signature"."""
+    signature: Base64Bytes
+    """The 64-byte Ed25519 signature."""
+
+
 class PolicyVersion(Event, kw_only=True, tag="policy_version.v1"):
     """The trainer appended version N of the policy. Create-only, fenced."""
 
@@ -103,6 +120,10 @@ class PolicyVersion(Event, kw_only=True, tag="policy_version.v1"):
     """How many trajectories trained into this version."""
     lineage_uri: str | None = None
     """S3 URI of the list of trajectory ids consumed (kept out of the event: it can be large)."""
+    lineage_sha256: Sha256Hex | None = None
+    """What the lineage blob hashes to (signed with the manifest; None in events written before it)."""
+    signature: VersionSignature | None = None
+    """The trainer's signature over the version's manifest; None: unsigned (islands pinned to a key refuse it)."""
 
     def business_key(self) -> str:
         # The event id is part of the key: a retry of this very event dedups, while another
@@ -298,6 +319,9 @@ class IslandHeartbeat(Event, kw_only=True, tag="island_heartbeat.v2"):
     tokens_generated: Count = 0
     tokens_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """Output tokens per second since the previous heartbeat."""
+    refused_versions: Count = 0
+    """Versions (or their blobs) this island refused over its life: unsigned, signed by another key, or a
+    blob whose bytes differ from the signed digest. Each is also a dead letter."""
 
 
 class TrainerMetrics(Event, kw_only=True, tag="trainer_metrics.v1"):
