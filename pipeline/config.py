@@ -94,6 +94,9 @@ class NatsSettings(Section):
     tls_ca_file: Path | None = None
     """CA certificate (PEM) that signed the server's certificate. Set: every connection is TLS and the
     server must prove it holds a certificate from this CA (the local stack makes one)."""
+    inbox_prefix: str = Field("_INBOX", pattern=r"^_INBOX[A-Za-z0-9_-]*$")
+    """Prefix of this client's reply subjects. The stack's credentials allow each identity to subscribe
+    to its own prefix only (`_INBOX_<role>_<id>`), so one island cannot read another's replies."""
     tls_server_name: str | None = None
     """Name the server's certificate must carry, when it is not the host in the URL (an island that
     reaches the stack by an address the certificate does not list). None: the URL's host."""

@@ -107,6 +107,7 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
         # nats-py drops a server after max_reconnect_attempts + 1 failures, the first connect included.
         "max_reconnect_attempts": settings.connect_attempts - 1,
         "allow_reconnect": True,
+        "inbox_prefix": settings.inbox_prefix,
     }
     if settings.user:
         options["user"] = settings.user
