@@ -11,6 +11,7 @@ from pathlib import Path
 
 from infra.ports import port_of
 from infra.server_process import ServerRecord, check_alive, server_binary, spawn, stop_servers
+from infra.stack_security import StackSecurity
 from infra.stack_settings import StackSection
 from pipeline.errors import StackError
 
@@ -25,17 +26,19 @@ def spawn_nats(directory: Path, section: StackSection, *, client_port: int = 0, 
         stale.unlink(missing_ok=True)
     client_port = client_port or section.nats_port
     monitor_port = monitor_port or section.nats_monitor_port
+    security = StackSecurity(directory).nats_config(section.advertise_hosts) if section.secure else []
     conf.write_text(
         "\n".join(
             [
                 "server_name: sprawl_local",
                 # -1: the kernel picks a free port as the server binds, so nobody can take it in between.
-                f"listen: 127.0.0.1:{client_port or -1}",
+                f"listen: {section.bind_host}:{client_port or -1}",
                 f"http: 127.0.0.1:{monitor_port or -1}",
                 # nats-server writes the ports it bound to nats-server_<pid>.ports here.
                 f"ports_file_dir: {json.dumps(str(directory))}",
                 f"max_payload: {section.nats_max_payload_bytes}",
                 f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n}}",
+                *security,
                 "",
             ]
         )
@@ -71,7 +74,9 @@ def nats_endpoints(record: ServerRecord, section: StackSection, deadline: float)
         check_alive(record)
         try:
             ports = json.loads(ports_file.read_text())
-            record.endpoint = ports["nats"][0]
+            # What clients on this machine use, whatever the server listens on (all addresses, say).
+            port = port_of(ports["nats"][0])
+            record.endpoint = f"{'tls' if section.secure else 'nats'}://127.0.0.1:{port}"
             return record.endpoint, ports["monitoring"][0]
         except (FileNotFoundError, ValueError, KeyError, IndexError):
             pass  # not written yet, or half written

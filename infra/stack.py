@@ -21,7 +21,9 @@ settings), `ports.py`, `server_process.py` (one server as a process), `nats_serv
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
+from infra.nats_permissions import Role
 from infra.nats_server import spawn_nats, start_nats, wait_nats_ready
 from infra.ports import SEAWEED_SPAN, Port, free_seaweed_base, port_is_free, s3_port_of, seaweed_ports
 from infra.seaweed import spawn_seaweed, wait_seaweed
@@ -35,6 +37,7 @@ from infra.server_process import (
     stop_servers,
 )
 from infra.stack_repair import repair
+from infra.stack_security import StackSecurity
 from infra.stack_settings import BucketName, StackSection, StackSettings, s3_settings
 from infra.stack_state import StackStatus, read_state, stack_dir, state_file, write_state
 from pipeline.config import SettingsT, SprawlSettings
@@ -152,16 +155,22 @@ def _start(settings: StackSettings) -> StackStatus:
         s3_endpoint=started[1].endpoint,
         buckets=list(section.buckets),
         servers=started,
+        secure=section.secure,
+        ca_file=str(StackSecurity(directory).ca_file) if section.secure else "",
     )
     write_state(directory, result)
     result.actions = [f"started {BINARIES[s.name]} (pid {s.pid})" for s in started]
     return result
 
 
-def with_endpoints(settings: SettingsT, st: StackStatus) -> SettingsT:
+def with_endpoints(settings: SettingsT, st: StackStatus, role: Role | str = Role.ADMIN) -> SettingsT:
     """`settings` pointed at the running stack: its nats URL and S3 endpoint (which are only known once
-    it has started when the configured ports are 0)."""
-    update: dict[str, object] = {"nats": settings.nats.model_copy(update={"url": st.nats_url})}
+    it has started when the configured ports are 0) and, on a secure stack, the credentials of `role`
+    in `settings.run_id` (admin: the operator's own, for the stack's commands and tests)."""
+    nats = settings.nats.model_copy(update={"url": st.nats_url})
+    if st.secure:
+        nats = StackSecurity(Path(st.state_dir) / "stack").nats_settings(nats, st.nats_url, role, settings.run_id)
+    update: dict[str, object] = {"nats": nats}
     if settings.blobs.type == "s3":  # a local-folder blob store has no endpoint to point
         update["blobs"] = settings.blobs.model_copy(update={"endpoint_url": st.s3_endpoint})
     return settings.model_copy(update=update)

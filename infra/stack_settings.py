@@ -29,6 +29,15 @@ class StackSection(Section):
     """How long to wait for both servers to become healthy."""
     seaweed_start_attempts: int = Field(8, ge=1)
     """With seaweed_port_base 0: blocks tried when a port is taken between choosing it and binding it."""
+    secure: bool = True
+    """TLS on the log (a CA made for this stack) and per-role identities on the log and the blob store.
+    Off only for throwaway experiments on one machine: then anyone who reaches a port owns the run."""
+    bind_host: str = "127.0.0.1"
+    """Address the log's client port listens on. 127.0.0.1 keeps it on this machine; islands elsewhere
+    need an address they can reach (listed in `advertise_hosts` for the certificate)."""
+    advertise_hosts: list[str] = []
+    """Names and addresses islands use to reach the stack, besides 127.0.0.1 and localhost: the
+    server certificates list them, so TLS verification succeeds from there."""
     nats_max_payload_bytes: int = Field(8 * MIB, ge=256 * 1024, le=64 * MIB)
     """Largest message nats-server accepts: at least the default claim-check threshold (256 KiB;
     larger events are claim-checked) and at most 64 MiB (nats-server's own limit)."""

@@ -18,6 +18,10 @@ class StackStatus:
     s3_endpoint: str
     buckets: list[str]
     servers: list[ServerRecord]
+    secure: bool = False
+    """TLS and per-role identities (`infra/stack_security.py`); False in a `stack.json` written before."""
+    ca_file: str = ""
+    """The CA certificate clients pin, when secure."""
     already_running: bool = False
     actions: list[str] = field(default_factory=list)
     """What this `up` did, one line each ("started ...", "restarted ...", "kept ... running")."""

@@ -1,0 +1,128 @@
+"""What each role may do on the log: subjects it publishes, streams it reads, JetStream API it calls.
+
+Derived from the topology (`pipeline/topology.py`), so a new stream or kind is granted in one place.
+Publishing is scoped to the role's own kinds of its own run (`rl.<run>.traj.>` for a sampler); no
+role but `admin` may create, change, purge or delete a stream. Reading is granted per stream: the
+JetStream API calls that read (consumer create/info/next, message get, stream info) name the stream
+in their subject, and for a consumer created with a single filter also the filter, but message gets
+and stream info carry the subject in their body, so a reader of a stream can read every run in it
+(one stream holds all runs). Runs that must not see each other belong on separate accounts or servers.
+
+Replies come back on the client's inbox; each identity gets its own inbox prefix (`nats.inbox_prefix`)
+and may subscribe only there, so one island cannot read the replies (and pushed messages) of another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from infra.nats_auth import Permissions
+from pipeline.topology import (
+    DEADLETTER,
+    METRICS,
+    POLICY,
+    PROMPTS,
+    REWARDS,
+    STREAMS,
+    TRAINER,
+    TRAJECTORIES,
+    ConsumerRole,
+    Kind,
+    Stream,
+    consumers_of_run,
+    token,
+)
+
+
+class Role(StrEnum):
+    ADMIN = "admin"
+    """The stack and the operator: declares streams (`sprawl infra apply`), drives prompts in `sprawl up`."""
+    TRAINER = "trainer"
+    SAMPLER = "sampler"
+    REWARDS = "rewards"
+    ARCHIVER = "archiver"
+    AUDITOR = "auditor"
+
+
+@dataclass(frozen=True)
+class Grant:
+    publishes: tuple[Kind, ...]
+    """Kinds of event this role appends, in its own run only."""
+    reads: tuple[Stream, ...]
+
+
+GRANTS: dict[Role, Grant] = {
+    Role.TRAINER: Grant(
+        (Kind.POLICY, Kind.TRAINER, Kind.METRICS, Kind.DEAD_LETTERS),
+        (POLICY, PROMPTS, TRAJECTORIES, REWARDS, TRAINER, METRICS, DEADLETTER),
+    ),
+    # Samplers dead-letter prompt groups they cannot decode and versions they refuse to serve.
+    Role.SAMPLER: Grant((Kind.TRAJECTORIES, Kind.HEARTBEATS, Kind.DEAD_LETTERS), (POLICY, PROMPTS)),
+    Role.REWARDS: Grant((Kind.REWARDS, Kind.DEAD_LETTERS), (PROMPTS, TRAJECTORIES)),
+    # The archiver writes nothing to the log but the dead letters of the poison it finds on any stream.
+    Role.ARCHIVER: Grant((Kind.DEAD_LETTERS,), STREAMS),
+    Role.AUDITOR: Grant((), STREAMS),
+}
+
+
+def inbox_prefix(role: Role | str, identity: str) -> str:
+    """The reply-subject prefix of one identity: `_INBOX_<role>_<id>`, one token."""
+    return f"_INBOX_{Role(role).value}_{token(identity, 'identity')}"
+
+
+def _reading(stream: Stream, run: str) -> list[str]:
+    s = stream.name
+    return [
+        f"$JS.API.STREAM.INFO.{s}",
+        f"$JS.API.STREAM.MSG.GET.{s}",
+        f"$JS.API.DIRECT.GET.{s}",
+        f"$JS.API.DIRECT.GET.{s}.rl.{run}.>",
+        # Ephemeral and ordered consumers (no name in the subject) and named ones with one filter of this run.
+        f"$JS.API.CONSUMER.CREATE.{s}",
+        f"$JS.API.CONSUMER.CREATE.{s}.*",
+        f"$JS.API.CONSUMER.CREATE.{s}.*.rl.{run}.>",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{s}.*",
+        f"$JS.API.CONSUMER.INFO.{s}.*",
+        f"$JS.API.CONSUMER.DELETE.{s}.*",
+        f"$JS.API.CONSUMER.MSG.NEXT.{s}.*",
+        f"$JS.API.CONSUMER.NAMES.{s}",
+        f"$JS.ACK.{s}.>",
+        f"$JS.FC.{s}.>",
+    ]
+
+
+# The role that binds each declared consumer; every other role is kept off it.
+_BINDS = {ConsumerRole.SAMPLERS: Role.SAMPLER, ConsumerRole.REWARDS: Role.REWARDS, ConsumerRole.ARCHIVER: Role.ARCHIVER}
+
+
+def _others_durables(role: Role, run: str) -> list[str]:
+    """A role may read a stream without touching the cursors other roles share on it: pulling from the
+    archiver's consumer and acking would take messages out of the archive, deleting the samplers' would
+    stop the run."""
+    denied = []
+    for consumer in consumers_of_run(run):
+        s, name = consumer.stream.name, consumer.name
+        denied.append(f"$JS.API.CONSUMER.DELETE.{s}.{name}")
+        if _BINDS[consumer.role] is not role:
+            denied += [f"$JS.API.CONSUMER.MSG.NEXT.{s}.{name}", f"$JS.ACK.{s}.{name}.>"]
+    return denied
+
+
+def permissions_for(role: Role | str, run_id: str, inbox: str) -> Permissions:
+    """The NATS permissions of `role` in run `run_id`, replies on `inbox` (see `inbox_prefix`)."""
+    role = Role(role)
+    if role is Role.ADMIN:
+        return Permissions(publish=(">",), subscribe=(">",))
+    run = token(run_id, "run_id")
+    grant = GRANTS[role]
+    publish = ["$JS.API.INFO", "$JS.API.STREAM.NAMES"]
+    for kind in grant.publishes:
+        publish += [f"rl.{run}.{kind.value}", f"rl.{run}.{kind.value}.>"]
+    for stream in grant.reads:
+        publish += _reading(stream, run)
+    return Permissions(
+        publish=tuple(dict.fromkeys(publish)),
+        subscribe=(f"{inbox}.>",),
+        deny_publish=tuple(_others_durables(role, run)),
+    )

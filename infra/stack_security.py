@@ -1,0 +1,80 @@
+"""The stack's credentials: TLS for the log, and one identity per role and run (or per join token).
+
+`<stack>/tls/` holds the CA and the server certificates (`infra/pki.py`), `<stack>/auth/` the log's
+operator and account keys (`infra/nats_auth.py`) and the users issued so far. A worker started by
+this machine gets its role's credentials from here (`role_settings`); a worker elsewhere gets them
+in a join token (`infra/join_token.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from infra.nats_auth import NatsAuthority, UserCredentials, decode_claims
+from infra.nats_permissions import Role, inbox_prefix, permissions_for
+from infra.pki import ServerCertificate, ensure_server_certificate
+from pipeline.config import NatsSettings
+
+LOCAL_HOSTS = ["127.0.0.1", "localhost"]
+
+
+class StackSecurity:
+    def __init__(self, stack_directory: Path):
+        self.directory = stack_directory
+        self.tls_dir = stack_directory / "tls"
+        self.authority = NatsAuthority(stack_directory / "auth")
+        self.users_dir = stack_directory / "auth" / "users"
+
+    @property
+    def ca_file(self) -> Path:
+        return self.tls_dir / "ca.pem"
+
+    def server_certificate(self, server: str, hosts: list[str]) -> ServerCertificate:
+        return ensure_server_certificate(self.tls_dir, server, [*LOCAL_HOSTS, *hosts])
+
+    def nats_config(self, hosts: list[str]) -> list[str]:
+        """nats.conf lines: TLS with this stack's certificate, and the operator that signs every user."""
+        cert = self.server_certificate("nats", hosts)
+        return [
+            "tls {",
+            f"  cert_file: {json.dumps(str(cert.cert_file))}",
+            f"  key_file: {json.dumps(str(cert.key_file))}",
+            "  timeout: 5",  # seconds for a handshake: a slow link's first round trips
+            "}",
+            self.authority.server_config(),
+        ]
+
+    def issue(self, role: Role | str, run_id: str, identity: str, *, expires_at: int | None = None) -> UserCredentials:
+        role = Role(role)
+        permissions = permissions_for(role, run_id, inbox_prefix(role, identity))
+        return self.authority.issue(f"{role.value}:{run_id}:{identity}", permissions, expires_at=expires_at)
+
+    def role_creds_file(self, role: Role | str, run_id: str) -> Path:
+        """The credentials of `role` in `run_id` for workers on this machine, issued once and kept."""
+        role = Role(role)
+        path = self.users_dir / f"{role.value}-{run_id}.creds"
+        if not path.exists() or self._revoked(path):
+            self.issue(role, run_id, run_id).write(path)
+        return path
+
+    def _revoked(self, creds_file: Path) -> bool:
+        jwt = creds_file.read_text().split("-----BEGIN NATS USER JWT-----\n", 1)[1].split("\n", 1)[0]
+        claims = decode_claims(jwt)
+        revoked_at = self.authority.revocations().get(claims["sub"])
+        expired = claims.get("exp") is not None and claims["exp"] <= time.time()
+        return expired or (revoked_at is not None and claims["iat"] <= revoked_at)
+
+    def nats_settings(self, nats: NatsSettings, url: str, role: Role | str, run_id: str) -> NatsSettings:
+        """`nats` pointed at this stack as `role` of `run_id`: TLS pinned to its CA, the role's creds."""
+        return nats.model_copy(
+            update={
+                "url": url,
+                "tls_ca_file": self.ca_file,
+                "creds_file": self.role_creds_file(role, run_id),
+                "inbox_prefix": inbox_prefix(role, run_id),
+                "user": None,
+                "password": None,
+            }
+        )
