@@ -5,7 +5,9 @@ optimizer step. For every configured view it computes the served bits, diffs
 them against the previous version's bits kept in memory, uploads a patch per
 keyframe shard (or a whole keyframe every K versions), and only then appends
 the PolicyVersion event: create-only and fenced on the previous version, so a
-second trainer fails instead of forking the chain.
+second trainer fails instead of forking the chain. With a signing key the event is
+signed (`pipeline/version_signing.py`) before it is appended: islands pinned to the
+key serve nothing else.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pipeline import patch_codec
 from pipeline.bits import checksum, dtype_name, root_hash, to_bits
@@ -32,6 +35,7 @@ from pipeline.logs import get_logger
 from pipeline.patch_codec import TensorBits
 from pipeline.subjects import policy_filter, token
 from pipeline.version_log import chain_head
+from pipeline.version_signing import key_id, sign_version
 from pipeline.views import get_view
 from schemas import BlobPointer, PolicyVersion, SkipPatch, TensorDigest, ViewVersion
 
@@ -67,7 +71,10 @@ class ChainPublisher:
         model_config: Mapping[str, Any],
         settings: ChainSettings,
         extra_files: Mapping[str, bytes] | None = None,
+        signing_key: Ed25519PrivateKey | None = None,
     ):
+        """`signing_key`: sign every version with it. None publishes unsigned versions, which islands
+        pinned to a key refuse; the trainer passes None only under `trust.allow_unsigned_versions`."""
         for name in settings.views:
             get_view(name)  # unknown views fail here, not after an optimizer step
         self.log = event_log
@@ -77,6 +84,7 @@ class ChainPublisher:
         self.settings = settings
         self.extra_files = dict(extra_files or {})
         self.writer_id = uuid.uuid4().hex[:12]
+        self.signing_key = signing_key
         self._views = {name: _ViewState() for name in settings.views}
         self._head: int | None = None
         self._head_seq = 0
@@ -102,6 +110,7 @@ class ChainPublisher:
         trainer_step: int | None = None,
         consumed_trajectories: int = 0,
         lineage_uri: str | None = None,
+        lineage_sha256: str | None = None,
     ) -> PolicyVersion:
         if not self._opened:
             await self.open()
@@ -122,7 +131,10 @@ class ChainPublisher:
             trainer_step=version if trainer_step is None else trainer_step,
             consumed_trajectories=consumed_trajectories,
             lineage_uri=lineage_uri,
+            lineage_sha256=lineage_sha256,
         )
+        if self.signing_key is not None:
+            event = sign_version(event, self.signing_key)
         result = await self.log.append(
             event, expected_last_subject_seq=self._head_seq, fence_subject=policy_filter(self.run_id)
         )
@@ -131,6 +143,7 @@ class ChainPublisher:
             "policy version published",
             version=version,
             stream_seq=result.seq,
+            signed_by=key_id(self.signing_key) if self.signing_key is not None else None,
             views={v.view: {"kind": v.kind, "bytes": v.bytes, "changed": v.changed_elements} for v in views},
         )
         return event

@@ -16,7 +16,8 @@ from nats.aio.msg import Msg
 from pipeline.errors import AppendConflict
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
-from pipeline.subjects import token
+from pipeline.subjects import policy_subject, token
+from pipeline.topology import POLICY
 from schemas import DeadLetter
 from schemas.envelope import new_event_id, now_utc
 
@@ -89,3 +90,38 @@ def run_of(subject: str) -> str:
         return token(tokens[1], "run_id") if len(tokens) > 1 else "unknown"
     except ValueError:
         return "unknown"
+
+
+async def dead_letter_refused_version(
+    event_log: EventLog, *, run_id: str, version: int, event_id: str, reason: str, error_class: str, refused_by: str
+) -> bool:
+    """Dead-letter a policy version an island refused (its signature, or a blob against its signed
+    digest), with the version event's original bytes, so `sprawl audit dead-letters` shows who refused
+    what and why. One dead letter per version event (its POLICY stream sequence): the same island
+    refusing it again, or a second island, finds it there. True: this call stored it.
+
+    Raises what `EventLog.append` raises when the log does not take it (the island retries later)."""
+    subject = policy_subject(run_id, version)
+    msg = await event_log.js.get_last_msg(POLICY.name, subject)
+    dead = DeadLetter(
+        run_id=run_id,
+        event_id=new_event_id(),
+        produced_at=now_utc(),
+        reason=f"policy version {version} (event {event_id}) refused by {refused_by}: {reason}",
+        error_class=error_class,
+        stream=POLICY.label,
+        consumer=refused_by,
+        original_subject=subject,
+        original_seq=msg.seq,
+        num_delivered=1,
+        payload=bytes(msg.data or b""),
+        headers={k: str(v) for k, v in (msg.headers or {}).items()},
+    )
+    try:
+        result = await event_log.append(dead)
+    except AppendConflict:
+        log.info("refused version already dead-lettered", version=version, stream_seq=msg.seq, refused_by=refused_by)
+        return False
+    if not result.duplicate:
+        log.warning("refused version dead-lettered", version=version, stream_seq=msg.seq, error_class=error_class)
+    return not result.duplicate

@@ -22,6 +22,13 @@ a re-published blob is picked up, and a bad one is never re-downloaded in a hot
 loop however often the island is woken. A missing blob is named by key; a base
 whose bits differ from what a patch expects is refused; a version not yet in the
 log is waited for, never guessed.
+
+Trust: given a `VersionTrust` (an island always passes one), every version event is
+verified (`pipeline/version_signing.py`) the moment it is read, before any field of it
+is used. A refused event is never planned through: not as a target, not as a base, not
+from the cache. A blob that still differs from its signed digest after a refetch is
+refused as well (and set aside like any failed part). Each refusal is logged as an
+error once and kept in `refusals`, which the island counts and dead-letters.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +57,7 @@ from pipeline.logs import get_logger
 from pipeline.route_failures import Backoff, PartKey, RouteFailures
 from pipeline.subjects import token
 from pipeline.version_log import wait_for_version
+from pipeline.version_signing import VersionSignatureInvalid, VersionTrust
 from schemas import BlobPointer, PolicyVersion, ViewVersion
 
 log = get_logger(__name__)
@@ -74,6 +83,67 @@ class VersionUnbuildable(MaterializeError):
             f"no usable route to version {version} of view {view!r}: {detail}",
             hint=f"keep serving the last good version; failed parts are retried with backoff{retry}",
         )
+
+
+class VersionRefused(VersionUnbuildable):
+    """The exact version asked for was refused (its signature, or a blob against its signed digest)."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One thing an island refused: a version event (`what` = "signature") or a blob of it (its uri)."""
+
+    version: int
+    event_id: str
+    what: str
+    reason: str
+    error_class: str
+    """`version_signature_invalid` or `blob_digest_mismatch`: the dead letter's error class."""
+
+
+class Refusals:
+    """What this materializer refused, each once (however often it is met again), and which of them
+    the island has yet to report. Thread-safe: blobs are refused in the planning thread."""
+
+    def __init__(self):
+        self._seen: dict[tuple[int, str, str], Refusal] = {}
+        self._unreported: list[Refusal] = []
+        self._lock = threading.Lock()
+
+    def record(self, refusal: Refusal) -> bool:
+        """Keep `refusal`; False when the same one was already kept (nothing is logged or counted twice)."""
+        key = (refusal.version, refusal.event_id, refusal.what)
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen[key] = refusal
+            self._unreported.append(refusal)
+        log.error(
+            "policy version refused: not served",
+            version=refusal.version,
+            event_id=refusal.event_id,
+            refused=refusal.what,
+            reason=refusal.reason,
+        )
+        return True
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return len(self._seen)
+
+    def unreported(self) -> list[Refusal]:
+        with self._lock:
+            return list(self._unreported)
+
+    def reported(self, refusal: Refusal) -> None:
+        with self._lock:
+            self._unreported.remove(refusal)
+
+    def reasons(self, lowest: int, highest: int) -> list[str]:
+        with self._lock:
+            found = [r for r in self._seen.values() if lowest <= r.version <= highest]
+        return [f"v{r.version} refused: {r.reason}" for r in found]
 
 
 @dataclass(frozen=True)
@@ -123,7 +193,10 @@ class Materializer:
         view: str,
         settings: MaterializeSettings,
         retry: Backoff | None = None,
+        trust: VersionTrust | None = None,
     ):
+        """`trust`: verify every version event with it. None trusts whatever the log holds: for tools
+        and tests that publish their own chain; islands always pass one (`island_trust`)."""
         self.log = event_log
         self.blobs = blobs
         self.run_id = token(run_id, "run_id")
@@ -134,7 +207,11 @@ class Materializer:
         self.failures = RouteFailures(retry or Backoff())
         """What failed, kept across calls: a part set aside here is not downloaded again until its
         backoff has passed, however often the materializer is asked."""
+        self.trust = trust
+        self.refusals = Refusals()
         self._events: dict[int, PolicyVersion] = {}
+        """Verified events only: nothing else is ever planned with."""
+        self._refused: dict[int, PolicyVersion] = {}
 
     # ---------------------------------------------------------------- public
 
@@ -166,7 +243,11 @@ class Materializer:
         return await self._materialize(version, newest=True, above=above)
 
     async def _materialize(self, version: int, *, newest: bool, above: int | None) -> Materialized:
-        self._view_of(await self._event(version))
+        event = await self._event(version)
+        if event is None and not newest:
+            raise VersionRefused(version, self.view, self.refusals.reasons(version, version), None)
+        if event is not None:
+            self._view_of(event)
         lowest = await self._gather_events(version)
         while True:
             try:
@@ -180,11 +261,23 @@ class Materializer:
 
     # ---------------------------------------------------------------- events
 
-    async def _event(self, version: int) -> PolicyVersion:
+    async def _event(self, version: int) -> PolicyVersion | None:
+        """The version's event once verified; None when it was refused (its log entry never changes:
+        versions are create-only, so a refused event is not read or checked again)."""
+        if version in self._refused:
+            return None
         if version not in self._events:
-            self._events[version] = await wait_for_version(
-                self.log, self.run_id, version, self.settings.wait_for_version_s
-            )
+            event = await wait_for_version(self.log, self.run_id, version, self.settings.wait_for_version_s)
+            if self.trust is not None:
+                try:
+                    self.trust.check(event)
+                except VersionSignatureInvalid as exc:
+                    self._refused[version] = event
+                    self.refusals.record(
+                        Refusal(version, event.event_id, "signature", exc.reason, "version_signature_invalid")
+                    )
+                    return None
+            self._events[version] = event
         return self._events[version]
 
     def _view_of(self, event: PolicyVersion) -> ViewVersion:
@@ -201,9 +294,14 @@ class Materializer:
         close below it); returns the lowest version the planner may start from."""
         cached = set(self.cached_versions())
         v = version
-        # Always down to the nearest keyframe: it is the fallback when a patch route breaks.
-        while self._view_of(await self._event(v)).kind != "keyframe" and v > 0:
+        # Always down to the nearest keyframe: it is the fallback when a patch route breaks. A refused
+        # version says nothing trustworthy about its kind: walk past it (the planner never uses it).
+        while v > 0:
+            event = await self._event(v)
+            if event is not None and self._view_of(event).kind == "keyframe":
+                break
             v -= 1
+        await self._event(v)
         lowest = v
         below = [c for c in cached if lowest - MAX_WALK_BACK <= c < lowest]
         if below:
@@ -225,8 +323,8 @@ class Materializer:
         cached = set(self.cached_versions())
         best: dict[int, _Option] = {}
         for v in range(lowest, version + 1):
-            if not usable(("version", v)):
-                continue
+            if v not in self._events or not usable(("version", v)):
+                continue  # refused (or never read): not a target, not a base, not even from the cache
             entry = self._view_of(self._events[v])
             options: list[_Option] = []
             if v in cached and ("cache", v) not in bad_starts:
@@ -274,7 +372,7 @@ class Materializer:
                     raise VersionUnbuildable(
                         version,
                         self.view,
-                        self.failures.reasons(lowest, version) + local_reasons,
+                        self.refusals.reasons(lowest, version) + self.failures.reasons(lowest, version) + local_reasons,
                         self.failures.retry_in_s(lowest, version),
                     )
                 start, edges = self._route(best, target)
@@ -422,11 +520,20 @@ class Materializer:
             except BlobIntegrityError as exc:
                 if attempt == 2:
                     reason = f"{blob.uri} is corrupt after a refetch (sha256 {exc.actual}, expected {exc.expected})"
+                    self._refuse_blob(blob, edge, start, reason)
                     raise _EdgeFailed(edge, start, reason, blob.uri) from exc
                 log.warning("blob failed verification, refetching once", uri=blob.uri)
             except BlobNotFound as exc:
                 raise _EdgeFailed(edge, start, f"missing blob {blob.uri}", blob.uri) from exc
         raise AssertionError("unreachable")
+
+    def _refuse_blob(self, blob: BlobPointer, edge: _Edge | None, start: tuple[str, int] | None, reason: str) -> None:
+        """A blob that differs from the digest its (verified) version names: refused like a forged event,
+        while the part stays set aside and is retried after its backoff (an operator may re-publish it)."""
+        version = edge.target if edge is not None else start[1] if start is not None else None
+        event = self._events.get(version) if version is not None else None
+        if event is not None:
+            self.refusals.record(Refusal(event.version, event.event_id, blob.uri, reason, "blob_digest_mismatch"))
 
     def _apply_patch(
         self, edge: _Edge, blob: BlobPointer, tensors: dict[str, torch.Tensor], path: Path, *, verify_base: bool

@@ -1,19 +1,44 @@
 """Helpers for version-chain tests: a publisher over a tiny model, what each version must be, and
-blobs corrupted in the store the way a bad disk or a stray hand would."""
+blobs corrupted in the store the way a bad disk or a stray hand would.
+
+Versions are signed as in production: the helpers' publisher signs with `TEST_SIGNING_KEY`, islands
+and materializers pin its public key (`TEST_TRUST`), and trainers get it from `signed_trust()`."""
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from pipeline.bits import checksum, dtype_name, root_hash, to_bits
 from pipeline.blobstore import S3BlobStore
 from pipeline.chain_publish import ChainPublisher
-from pipeline.config import ChainSettings, MaterializeSettings
+from pipeline.config import ChainSettings, MaterializeSettings, TrustSettings
 from pipeline.eventlog import EventLog
 from pipeline.materialize import Materializer
+from pipeline.version_signing import VersionTrust, generate_signing_key, public_key_text, save_signing_key
 from pipeline.views import get_view
+
+TEST_SIGNING_KEY = generate_signing_key()
+"""The trainer's key in tests (one per test process)."""
+TEST_TRUST = VersionTrust(TEST_SIGNING_KEY.public_key())
+"""What a test island pins: versions signed by `TEST_SIGNING_KEY`."""
+
+
+@functools.cache
+def signed_trust() -> TrustSettings:
+    """Trust settings naming the test key: a trainer signs with it, an island pins its public half."""
+    directory = Path(tempfile.mkdtemp(prefix="sprawl-test-key-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    save_signing_key(TEST_SIGNING_KEY, directory / "version-signing.pem")
+    return TrustSettings(
+        signing_key_file=directory / "version-signing.pem", version_public_key=public_key_text(TEST_SIGNING_KEY)
+    )
 
 
 def expected_root(state_dict: dict[str, torch.Tensor], view: str) -> str:
@@ -62,7 +87,10 @@ class CorruptingBlobStore(S3BlobStore):
         return ref
 
 
-def publisher(event_log: EventLog, settings, model, *, blobs: S3BlobStore | None = None, **chain) -> ChainPublisher:
+def publisher(
+    event_log: EventLog, settings, model, *, blobs: S3BlobStore | None = None, signing_key=TEST_SIGNING_KEY, **chain
+) -> ChainPublisher:
+    """A publisher that signs with `signing_key` (None: unsigned)."""
     return ChainPublisher(
         event_log,
         blobs or S3BlobStore(settings.blobs),
@@ -70,14 +98,18 @@ def publisher(event_log: EventLog, settings, model, *, blobs: S3BlobStore | None
         model_config=model.config.to_dict(),
         settings=ChainSettings(**chain),
         extra_files={"generation_config.json": b"{}"},
+        signing_key=signing_key,
     )
 
 
-def materializer(event_log: EventLog, settings, cache_dir, view: str = "bf16", **kw) -> Materializer:
+def materializer(
+    event_log: EventLog, settings, cache_dir, view: str = "bf16", trust: VersionTrust | None = TEST_TRUST, **kw
+) -> Materializer:
     return Materializer(
         event_log,
         S3BlobStore(settings.blobs),
         run_id=settings.run_id,
         view=view,
         settings=MaterializeSettings(cache_dir=cache_dir, **kw),
+        trust=trust,
     )

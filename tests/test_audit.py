@@ -17,6 +17,7 @@ from pipeline.errors import SprawlError
 from pipeline.topology import STREAMS, TRAJECTORIES
 from schemas import DeadLetter, IslandHeartbeat, IslandIdentity, Reward
 from schemas.archive import parquet_glob
+from tests.chain_helpers import signed_trust
 from tests.trainer_data import make_groups, publish_groups, write_initial_model
 from workers.archiver import ArchiverSettings, ArchiveSection, drain_once
 from workers.trainer.loop import Trainer
@@ -45,7 +46,9 @@ async def _a_run(event_log, settings, model_dir):
     await publish_groups(event_log, make_groups(model_dir, settings.run_id, 4))
     section = TrainerSection(model_dir=model_dir, groups_per_batch=2, trainer_id="audit", max_versions=2)
     trainer_settings = TrainerSettings(
-        **settings.model_dump(include={"run_id", "nats", "blobs", "log", "streams"}), trainer=section
+        **settings.model_dump(include={"run_id", "nats", "blobs", "log", "streams"}),
+        trust=signed_trust(),
+        trainer=section,
     )
     await Trainer(trainer_settings, event_log, S3BlobStore(settings.blobs)).run(asyncio.Event())
     for version, view in [(0, "bf16"), (1, "bf16"), (1, "fp8_e4m3"), (2, "fp8_e4m3")]:

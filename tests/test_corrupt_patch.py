@@ -21,6 +21,7 @@ from pipeline.materialize import verify_directory
 from pipeline.route_failures import Backoff, RouteFailures
 from schemas import VersionConstraint
 from tests.chain_helpers import (
+    TEST_TRUST,
     CorruptingBlobStore,
     corrupt_object,
     expected_root,
@@ -117,7 +118,7 @@ async def _island(
         route_retry=RouteRetrySection(first_s=first_s, max_s=max_s, jitter=jitter),
     )
     blobs = blobs or S3BlobStore(settings.blobs)
-    island = Island(event_log, blobs, ReferenceEngine(), run_id=settings.run_id, settings=section)
+    island = Island(event_log, blobs, ReferenceEngine(), run_id=settings.run_id, settings=section, trust=TEST_TRUST)
     await island.start(follow=True)
     return island
 

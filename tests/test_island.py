@@ -7,7 +7,7 @@ import torch
 
 from pipeline.blobstore import S3BlobStore
 from pipeline.config import MaterializeSettings
-from tests.chain_helpers import publisher
+from tests.chain_helpers import TEST_TRUST, publisher
 from tests.tiny_models import adam_like_step, tiny_moe
 from workers.sampler.engines.reference import ReferenceEngine
 from workers.sampler.island import CommitRecord, Island, IslandSection, IslandStats
@@ -44,7 +44,14 @@ async def test_an_island_keeps_its_recent_commits_for_the_benchmark_and_the_side
     state = {k: v.clone() for k, v in model.state_dict().items()}
     pub = publisher(event_log, settings, model)
     section = IslandSection(island_id="stats-test", materialize=MaterializeSettings(cache_dir=tmp_path))
-    island = Island(event_log, S3BlobStore(settings.blobs), ReferenceEngine(), run_id=settings.run_id, settings=section)
+    island = Island(
+        event_log,
+        S3BlobStore(settings.blobs),
+        ReferenceEngine(),
+        run_id=settings.run_id,
+        settings=section,
+        trust=TEST_TRUST,
+    )
     island.stats = IslandStats(keep=2)
     await island.start(follow=False)
     roots = {}

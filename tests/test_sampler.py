@@ -15,7 +15,7 @@ from pipeline.config import MaterializeSettings
 from pipeline.replay import replay
 from pipeline.sampling import process_logits
 from schemas import PromptGroup, SamplingParams, Trajectory
-from tests.chain_helpers import publisher
+from tests.chain_helpers import TEST_TRUST, publisher
 from tests.servers import HANG_GUARD_S
 from tests.tiny_models import adam_like_step, tiny_moe
 from workers.sampler.engines.reference import ReferenceEngine
@@ -68,7 +68,14 @@ def _sampler(event_log, settings, tmp_path, view: str) -> SamplerWorker:
             "heartbeat_interval_s": 0.5,
         }
     )
-    island = Island(event_log, S3BlobStore(settings.blobs), ReferenceEngine(), run_id=settings.run_id, settings=section)
+    island = Island(
+        event_log,
+        S3BlobStore(settings.blobs),
+        ReferenceEngine(),
+        run_id=settings.run_id,
+        settings=section,
+        trust=TEST_TRUST,
+    )
     return SamplerWorker(sampler_settings, event_log, island)
 
 

@@ -6,7 +6,7 @@ import torch
 
 from pipeline.blobstore import S3BlobStore
 from pipeline.config import MaterializeSettings
-from tests.chain_helpers import publisher
+from tests.chain_helpers import TEST_TRUST, publisher
 from tests.tiny_models import adam_like_step, tiny_moe
 from workers.sampler.engines.reference import ReferenceEngine
 from workers.sampler.island import Island, IslandSection
@@ -22,7 +22,14 @@ async def served(event_log, settings, tmp_path):
     pub = publisher(event_log, settings, model)
     await pub.publish(0, state)
     section = IslandSection(island_id="sidecar-test", materialize=MaterializeSettings(cache_dir=tmp_path))
-    island = Island(event_log, S3BlobStore(settings.blobs), ReferenceEngine(), run_id=settings.run_id, settings=section)
+    island = Island(
+        event_log,
+        S3BlobStore(settings.blobs),
+        ReferenceEngine(),
+        run_id=settings.run_id,
+        settings=section,
+        trust=TEST_TRUST,
+    )
     await island.start(follow=False)  # versions move only when a request asks
     await island.commit(0)
     runner, port = await serve(Sidecar(island), "127.0.0.1", 0)

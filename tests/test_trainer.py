@@ -16,6 +16,7 @@ from pipeline.lease import LeaseHeld
 from pipeline.replay import replay
 from pipeline.version_log import fetch_version
 from schemas import PolicyVersion, TrainerMetrics
+from tests.chain_helpers import signed_trust
 from tests.servers import HANG_GUARD_S, new_run_id
 from tests.trainer_data import make_groups, publish_groups, write_initial_model
 from workers.trainer.loop import Trainer
@@ -32,7 +33,9 @@ def model_dir(tmp_path_factory):
 def _settings(settings, model_dir, **trainer) -> TrainerSettings:
     section = TrainerSection(model_dir=model_dir, groups_per_batch=2, trainer_id="t-main", **trainer)
     return TrainerSettings(
-        **settings.model_dump(include={"run_id", "nats", "blobs", "log", "streams"}), trainer=section
+        **settings.model_dump(include={"run_id", "nats", "blobs", "log", "streams"}),
+        trust=signed_trust(),
+        trainer=section,
     )
 
 

@@ -10,6 +10,7 @@ from pipeline.blobstore import S3BlobStore
 from pipeline.replay import replay
 from pipeline.topology import METRICS, TRAINER
 from schemas import GroupDropped, TrainerMetrics
+from tests.chain_helpers import signed_trust
 from tests.test_stalled_log import nats_stalled
 from tests.trainer_data import make_groups, publish_groups, write_initial_model
 from workers.trainer.checkpoint import latest_checkpoint
@@ -32,6 +33,7 @@ async def test_dropped_groups_are_announced_and_counted_in_the_metrics(event_log
     section = TrainerSection(model_dir=model_dir, groups_per_batch=1, trainer_id="t-drop", max_group_wait_s=0.5)
     trainer_settings = TrainerSettings(
         **settings.model_dump(include={"run_id", "nats", "blobs", "log", "streams"}),
+        trust=signed_trust(),
         trainer=section.model_copy(update={"max_versions": 2}),
     )
     trainer = Trainer(trainer_settings, event_log, S3BlobStore(settings.blobs))
@@ -66,7 +68,9 @@ async def test_a_group_the_log_holds_more_of_than_the_feeds_delivered_is_not_dro
     await publish_groups(event_log, [(trajectories, rewards)])  # the log holds the whole group
     section = TrainerSection(model_dir=model_dir, groups_per_batch=1, trainer_id="t-behind", max_group_wait_s=10)
     trainer_settings = TrainerSettings(
-        **settings.model_dump(include={"run_id", "nats", "blobs", "log", "streams"}), trainer=section
+        **settings.model_dump(include={"run_id", "nats", "blobs", "log", "streams"}),
+        trust=signed_trust(),
+        trainer=section,
     )
     trainer = Trainer(trainer_settings, event_log, S3BlobStore(settings.blobs))
     long_ago = time.monotonic() - 60  # as if the feeds had stalled on the rest of it since then

@@ -10,6 +10,13 @@ When the head cannot be built (a corrupt or missing blob on every route to it), 
 the newest version it can build and verify, says so (`blocked`, state `catching_up`, a log line),
 and leaves the retries to the materializer's backoff: a wake-up per new version re-plans, but a
 set-aside blob is not fetched again before its backoff has passed.
+
+Trust: every version event is verified against the pinned key before any of it is used (the
+materializer does it as it reads the event). A refused version (unsigned, signed by another key,
+or a blob differing from its signed digest) is logged as an error, counted (`refused_versions`,
+in heartbeats and `/metrics`), dead-lettered (`sprawl audit dead-letters`), and never served: the
+island keeps its last good version and is `blocked` at the refused head until a later version
+can be built without it.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 import nats.errors
 
 from pipeline.blobstore import BlobStore
+from pipeline.dead_letter import dead_letter_refused_version
 from pipeline.errors import SprawlError
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
@@ -33,6 +41,7 @@ from pipeline.materialize import Materialized, Materializer, VersionUnbuildable
 from pipeline.route_failures import Backoff
 from pipeline.subjects import policy_filter
 from pipeline.version_log import VersionNotAvailable, chain_head
+from pipeline.version_signing import VersionTrust
 from schemas import IslandIdentity, VersionConstraint
 from workers.lifecycle import raise_if_cancelled
 from workers.sampler.engines.base import Capabilities, Engine, EngineError
@@ -41,8 +50,11 @@ from workers.sampler.settings import IslandSection
 log = get_logger(__name__)
 
 
-def build_island(event_log: EventLog, blob_settings, run_id: str, section: IslandSection) -> Island:
-    """The configured engine behind an island (what `sprawl sampler`, `sprawl sidecar` and benchmarks run)."""
+def build_island(
+    event_log: EventLog, blob_settings, run_id: str, section: IslandSection, trust: VersionTrust
+) -> Island:
+    """The configured engine behind an island (what `sprawl sampler`, `sprawl sidecar` and benchmarks run).
+    `trust`: `island_trust(settings.trust)`, read at the worker's start."""
     from pipeline.blobstore import open_blob_store
     from workers.sampler.engines.factory import create_engine
 
@@ -53,7 +65,7 @@ def build_island(event_log: EventLog, blob_settings, run_id: str, section: Islan
         compute_dtype=section.compute_dtype,
         top_logprobs=section.top_logprobs,
     )
-    return Island(event_log, open_blob_store(blob_settings), engine, run_id=run_id, settings=section)
+    return Island(event_log, open_blob_store(blob_settings), engine, run_id=run_id, settings=section, trust=trust)
 
 
 def default_island_id(view: str) -> str:
@@ -152,7 +164,16 @@ class IslandStats:
 
 
 class Island:
-    def __init__(self, event_log: EventLog, blobs: BlobStore, engine: Engine, *, run_id: str, settings: IslandSection):
+    def __init__(
+        self,
+        event_log: EventLog,
+        blobs: BlobStore,
+        engine: Engine,
+        *,
+        run_id: str,
+        settings: IslandSection,
+        trust: VersionTrust,
+    ):
         self.log = event_log
         self.engine = engine
         self.run_id = run_id
@@ -160,7 +181,13 @@ class Island:
         retry = settings.route_retry
         self.backoff = Backoff(first_s=retry.first_s, max_s=retry.max_s, jitter=retry.jitter)
         self.materializer = Materializer(
-            event_log, blobs, run_id=run_id, view=settings.view, settings=settings.materialize, retry=self.backoff
+            event_log,
+            blobs,
+            run_id=run_id,
+            view=settings.view,
+            settings=settings.materialize,
+            retry=self.backoff,
+            trust=trust,
         )
         self.stats = IslandStats()
         self.head: int | None = None
@@ -183,6 +210,11 @@ class Island:
     @property
     def version(self) -> int | None:
         return self.engine.weight_version()
+
+    @property
+    def refused_versions(self) -> int:
+        """Versions (or blobs of them) refused over the island's life: a metric, never reset."""
+        return self.materializer.refusals.total
 
     def identity(self) -> IslandIdentity:
         caps = self.capabilities
@@ -267,10 +299,12 @@ class Island:
                 got = await self.materializer.materialize_newest(head, above=current)
             except VersionUnbuildable as exc:
                 self._block(head, exc.message, exc.retry_in_s)
+                await self._report_refusals()
                 return current
             except BaseException:
                 self._settle_state()
                 raise
+            await self._report_refusals()
             await self._load(got)
             if got.version < head:
                 failures = self.materializer.failures
@@ -287,7 +321,12 @@ class Island:
                 return self.version
             self.state = "catching_up" if self.version is not None else "starting"
             try:
-                got = await self.materializer.materialize(version)
+                try:
+                    got = await self.materializer.materialize(version)
+                except VersionUnbuildable:
+                    await self._report_refusals()
+                    raise
+                await self._report_refusals()
                 await self._load(got)
             finally:
                 self._settle_state()
@@ -306,6 +345,26 @@ class Island:
             pause_s=round(pause, 4),
             downloaded_bytes=got.downloaded_bytes,
         )
+
+    async def _report_refusals(self) -> None:
+        """Dead-letter each refusal not yet reported. A log that does not take it now is retried on the
+        next round: the refusal stays counted and logged meanwhile, and serving goes on either way."""
+        for refusal in self.materializer.refusals.unreported():
+            try:
+                await dead_letter_refused_version(
+                    self.log,
+                    run_id=self.run_id,
+                    version=refusal.version,
+                    event_id=refusal.event_id,
+                    reason=refusal.reason,
+                    error_class=refusal.error_class,
+                    refused_by=self.identity().island_id,
+                )
+            except (SprawlError, nats.errors.Error, OSError) as exc:
+                raise_if_cancelled()
+                log.warning("refusal not dead-lettered yet; will retry", version=refusal.version, error=repr(exc))
+                return
+            self.materializer.refusals.reported(refusal)
 
     def _block(self, head: int, reason: str, retry_in_s: float | None) -> None:
         if self.blocked is None or (self.blocked.head, self.blocked.serving) != (head, self.version):

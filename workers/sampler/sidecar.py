@@ -28,6 +28,7 @@ from aiohttp import web
 
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
+from pipeline.version_signing import island_trust
 from schemas import SamplingParams, VersionConstraint
 from workers.lifecycle import stop_on_signals
 from workers.sampler.engines.base import EngineError, GenerateRequest, Sample
@@ -165,6 +166,10 @@ class Sidecar:
             "# HELP sprawl_island_follow_failures_total Failed rounds of following the chain.",
             "# TYPE sprawl_island_follow_failures_total counter",
             f"sprawl_island_follow_failures_total {self.island.follow_failures}",
+            "# HELP sprawl_island_refused_versions_total Versions refused: unsigned, signed by another key, "
+            "or a blob differing from its signed digest (each one dead-lettered).",
+            "# TYPE sprawl_island_refused_versions_total counter",
+            f"sprawl_island_refused_versions_total {self.island.refused_versions}",
             "# HELP sprawl_cached_versions Versions materialized on disk.",
             "# TYPE sprawl_cached_versions gauge",
             f"sprawl_cached_versions {len(self.island.materializer.cached_versions())}",
@@ -374,8 +379,9 @@ async def serve(sidecar: Sidecar, host: str, port: int) -> tuple[web.AppRunner, 
 
 
 async def run_sidecar(settings: SidecarSettings) -> None:
+    trust = island_trust(settings.trust)  # before connecting: no key and no opt-out, no island
     event_log = await EventLog.connect(settings, worker=f"sidecar-{settings.island.view}")
-    island = build_island(event_log, settings.blobs, settings.run_id, settings.island)
+    island = build_island(event_log, settings.blobs, settings.run_id, settings.island, trust)
     await island.start()
     runner, port = await serve(Sidecar(island), settings.http.host, settings.http.port)
     log.info("sidecar listening", host=settings.http.host, port=port, view=settings.island.view)

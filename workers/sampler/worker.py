@@ -23,6 +23,7 @@ from pipeline.log_lookup import count_subjects
 from pipeline.logs import get_logger
 from pipeline.subjects import group_trajectories_filter
 from pipeline.topology import TRAJECTORIES, ConsumerRole, consumer_for
+from pipeline.version_signing import island_trust
 from schemas import IslandHeartbeat, PromptGroup, Trajectory
 from workers.lifecycle import first_to_end, raise_if_cancelled, run_beside, run_connected
 from workers.sampler.engines.base import GenerateRequest, Sample
@@ -160,6 +161,7 @@ class SamplerWorker:
             prompt_groups_done=self.groups_done,
             tokens_generated=self.tokens,
             tokens_per_s=round(rate, 2),
+            refused_versions=self.island.refused_versions,
         )
 
     async def _queue_pending(self) -> int | None:
@@ -213,8 +215,10 @@ class SamplerWorker:
 
 
 async def run_sampler(settings: SamplerSettings) -> None:
+    trust = island_trust(settings.trust)  # before connecting: no key and no opt-out, no island
+
     async def body(event_log: EventLog, stop: asyncio.Event) -> None:
-        island = build_island(event_log, settings.blobs, settings.run_id, settings.island)
+        island = build_island(event_log, settings.blobs, settings.run_id, settings.island, trust)
         await SamplerWorker(settings, event_log, island).run(stop)
 
     await run_connected(settings, f"sampler-{settings.island.view}", body)

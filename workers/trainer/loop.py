@@ -40,6 +40,7 @@ from pipeline.topology import (
     token,
     trajectories_filter,
 )
+from pipeline.version_signing import trainer_signing_key, verify_version
 from schemas import GroupDropped, Reward, TrainerMetrics, Trajectory
 from workers.lifecycle import end_guards, run_connected, run_guarded
 from workers.trainer.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
@@ -58,6 +59,9 @@ class Trainer:
         self.blobs = blobs
         self.run_id = token(settings.run_id, "run_id")
         self.holder = self.cfg.trainer_id or socket.gethostname()
+        # Read before anything else starts: a trainer with no key (and no explicit opt-out) would publish
+        # versions that every pinned island refuses, so it does not start at all.
+        self.signing_key = trainer_signing_key(settings.trust)
         self.lease = RunLease(event_log, self.run_id, self.holder, self.cfg.lease_ttl_s)
         # Every append the trainer makes (a version, metrics, a checkpoint, a dropped group) waits out an
         # outage of the log rather than ending the process: a retry reuses the event's Nats-Msg-Id, and
@@ -109,6 +113,7 @@ class Trainer:
             model_config=self.model.config.to_dict(),
             settings=self.settings.chain,
             extra_files=extra,
+            signing_key=self.signing_key,
         )
 
     async def _restore_latest(self) -> None:
@@ -142,6 +147,10 @@ class Trainer:
         while self.version < head:
             version = self.version + 1
             event, batch = await batch_from_lineage(self.log, self.blobs, self.run_id, version)
+            if self.signing_key is not None:
+                # A version in the chain that this trainer's key did not sign was forged: re-deriving on
+                # top of it would fork what islands serve, so the trainer stops and says which.
+                verify_version(event, self.signing_key.public_key())
             for item in batch:
                 self.assembler.used.update(t.trajectory_id for t in item.trajectories)
             await asyncio.to_thread(self._update, batch, version - 1)
@@ -181,7 +190,8 @@ class Trainer:
             self.model.state_dict(),
             trainer_step=self.step,
             consumed_trajectories=consumed,
-            lineage_uri=lineage,
+            lineage_uri=lineage.uri if lineage is not None else None,
+            lineage_sha256=lineage.checksum if lineage is not None else None,
         )
         self.version = version
         self.published.append(version)

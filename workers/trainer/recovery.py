@@ -13,7 +13,7 @@ import asyncio
 import torch
 
 from pipeline.batching import GroupBatchItem
-from pipeline.blobstore import BlobStore
+from pipeline.blobstore import BlobRef, BlobStore
 from pipeline.errors import SprawlError
 from pipeline.eventlog import EventLog
 from pipeline.topology import REWARDS, TRAJECTORIES
@@ -30,7 +30,8 @@ class RecoveryMismatch(SprawlError):
         )
 
 
-async def put_lineage(blobs: BlobStore, run_id: str, version: int, batch: list[GroupBatchItem]) -> str:
+async def put_lineage(blobs: BlobStore, run_id: str, version: int, batch: list[GroupBatchItem]) -> BlobRef:
+    """Write the lineage blob; its uri and sha256 go into the (signed) version event."""
     lineage = Lineage(
         version=version,
         groups=[
@@ -44,8 +45,7 @@ async def put_lineage(blobs: BlobStore, run_id: str, version: int, batch: list[G
             for item in batch
         ],
     )
-    ref = await asyncio.to_thread(blobs.put_bytes, encode_lineage(lineage), lineage_key(run_id, version))
-    return ref.uri
+    return await asyncio.to_thread(blobs.put_bytes, encode_lineage(lineage), lineage_key(run_id, version))
 
 
 async def batch_from_lineage(
@@ -55,7 +55,10 @@ async def batch_from_lineage(
     event = await fetch_version(event_log, run_id, version)
     if event is None or event.lineage_uri is None:
         raise RecoveryMismatch(f"version {version} has no lineage: it cannot be re-derived")
-    lineage = decode_lineage(await asyncio.to_thread(blobs.get_bytes, event.lineage_uri))
+    # Checked against the event's digest where it has one (events before it name only the uri): a
+    # rewritten lineage blob must not make a restarted trainer re-derive from other trajectories.
+    data = await asyncio.to_thread(blobs.get_bytes, event.lineage_uri, expected=event.lineage_sha256)
+    lineage = decode_lineage(data)
     batch = []
     for group in lineage.groups:
         trajectories, rewards, tseqs, rseqs = [], [], [], []
