@@ -37,6 +37,8 @@ def spawn_nats(directory: Path, section: StackSection, *, client_port: int = 0, 
                 # nats-server writes the ports it bound to nats-server_<pid>.ports here.
                 f"ports_file_dir: {json.dumps(str(directory))}",
                 f"max_payload: {section.nats_max_payload_bytes}",
+                # A client's CONNECT carries its JWT, whose permissions list every subject it may use.
+                "max_control_line: 65536",
                 f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n}}",
                 *security,
                 "",

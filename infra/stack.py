@@ -61,6 +61,7 @@ __all__ = [
     "stop_servers",
     "up",
     "with_endpoints",
+    "with_role",
 ]
 
 # Older names, kept for the tests and tools that reach for them.
@@ -174,6 +175,13 @@ def with_endpoints(settings: SettingsT, st: StackStatus, role: Role | str = Role
     if settings.blobs.type == "s3":  # a local-folder blob store has no endpoint to point
         update["blobs"] = settings.blobs.model_copy(update={"endpoint_url": st.s3_endpoint})
     return settings.model_copy(update=update)
+
+
+def with_role(settings: SettingsT, role: Role | str) -> SettingsT:
+    """`settings` as `role` on the secure stack running under its state dir; unchanged otherwise (no
+    stack here, or one without identities)."""
+    st = status(settings)
+    return with_endpoints(settings, st, role) if st is not None and st.secure else settings
 
 
 def down(settings: SprawlSettings) -> list[str]:

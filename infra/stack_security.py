@@ -43,8 +43,15 @@ class StackSecurity:
             f"  key_file: {json.dumps(str(cert.key_file))}",
             "  timeout: 5",  # seconds for a handshake: a slow link's first round trips
             "}",
-            self.authority.server_config(),
+            # Its own file, so a revocation rewrites it and reloads the server without touching the rest.
+            f"include {json.dumps(str(self.write_auth_conf().name))}",
         ]
+
+    def write_auth_conf(self) -> Path:
+        """`<stack>/auth.conf`: the operator and the accounts, revocations included (public material)."""
+        path = self.directory / "auth.conf"
+        path.write_text(self.authority.server_config() + "\n")
+        return path
 
     def issue(self, role: Role | str, run_id: str, identity: str, *, expires_at: int | None = None) -> UserCredentials:
         role = Role(role)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pipeline.config import SprawlSettings, write_settings_file
+from pipeline.config import SprawlSettings, TrustSettings, write_settings_file
 from pipeline.errors import SprawlError
 from pipeline.logs import get_logger
 from workers.up.options import UpOptions, UpSettings, correction_of, island_views, run_settings
@@ -66,10 +66,40 @@ class WorkerPlan:
     labels: dict[str, str]
 
 
+@dataclass(frozen=True)
+class RunTrust:
+    signer: TrustSettings
+    """The trainer's: the key it signs versions with."""
+    verifier: TrustSettings
+    """Everyone else's: the public key islands pin."""
+
+
+def signing_key_path(state_dir: Path) -> Path:
+    """Where `sprawl up` keeps the trainer's version-signing key (made on the first run, kept after)."""
+    return state_dir.resolve() / "keys" / "version-signing-key.pem"
+
+
+def run_trust(settings: SprawlSettings) -> RunTrust:
+    """Signed versions unless the run opted out: the configured keys, else a key of this state folder's
+    own (the islands `up` starts pin its public half; join tokens carry it to islands elsewhere)."""
+    from pipeline.config import TrustSettings
+    from pipeline.version_signing import ensure_signing_key, load_signing_key, public_key_text
+
+    trust = settings.trust
+    if trust.signing_key_file is None and trust.allow_unsigned_versions:
+        return RunTrust(trust, trust)
+    key_file = trust.signing_key_file or signing_key_path(settings.state_dir)
+    public = (
+        ensure_signing_key(key_file) if trust.signing_key_file is None else public_key_text(load_signing_key(key_file))
+    )
+    return RunTrust(TrustSettings(signing_key_file=key_file), TrustSettings(version_public_key=public))
+
+
 def worker_plans(settings: UpSettings, options: UpOptions, *, model_dir: Path, max_version: int) -> list[WorkerPlan]:
     """Every worker's settings, derived from the run's: the shared sections as they are, the trainer's
     and chain's from `settings`, one island per view in turn. Values `up` does not set come from the
     worker's defaults and the `SPRAWL_...` environment `up` was started with."""
+    from infra import stack
     from pipeline.config import load_settings
     from workers.archiver import ArchiverSettings
     from workers.rewards.worker import RewardSettings
@@ -78,6 +108,7 @@ def worker_plans(settings: UpSettings, options: UpOptions, *, model_dir: Path, m
     from workers.up.demo_task import VOCAB_SIZE
 
     state_dir = settings.state_dir.resolve()
+    trust = run_trust(settings)
     shared = {
         "run_id": settings.run_id,
         "state_dir": state_dir,
@@ -88,6 +119,17 @@ def worker_plans(settings: UpSettings, options: UpOptions, *, model_dir: Path, m
         "log": settings.log,
         "streams": settings.streams,
     }
+
+    def as_role(role: str) -> dict[str, object]:
+        """The shared sections with `role`'s own identity on a secure stack, and what it must trust."""
+        own = stack.with_role(settings, role)
+        return {
+            **shared,
+            "nats": own.nats,
+            "blobs": own.blobs,
+            "trust": trust.signer if role == "trainer" else trust.verifier,
+        }
+
     trainer = settings.trainer.model_copy(
         update={
             "model_dir": model_dir,
@@ -99,7 +141,7 @@ def worker_plans(settings: UpSettings, options: UpOptions, *, model_dir: Path, m
         WorkerPlan(
             "trainer",
             "trainer",
-            load_settings(TrainerSettings, None, **shared, trainer=trainer, chain=settings.chain),
+            load_settings(TrainerSettings, None, **as_role("trainer"), trainer=trainer, chain=settings.chain),
             {"correction": correction_of(settings)},
         )
     ]
@@ -113,10 +155,10 @@ def worker_plans(settings: UpSettings, options: UpOptions, *, model_dir: Path, m
             # The materializer adds <run>/<view>/ below this.
             "materialize": {"cache_dir": state_dir / "islands" / island_id},
         }
-        sampler = load_settings(SamplerSettings, None, **shared, island=island, heartbeat_interval_s=2.0)
+        sampler = load_settings(SamplerSettings, None, **as_role("sampler"), island=island, heartbeat_interval_s=2.0)
         plans.append(WorkerPlan(f"sampler-{island_id}", "sampler", sampler, {"island": island_id, "view": view}))
-    plans.append(WorkerPlan("rewards", "rewards", load_settings(RewardSettings, None, **shared), {}))
-    plans.append(WorkerPlan("archiver", "archiver", load_settings(ArchiverSettings, None, **shared), {}))
+    plans.append(WorkerPlan("rewards", "rewards", load_settings(RewardSettings, None, **as_role("rewards")), {}))
+    plans.append(WorkerPlan("archiver", "archiver", load_settings(ArchiverSettings, None, **as_role("archiver")), {}))
     return plans
 
 
