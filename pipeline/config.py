@@ -319,6 +319,9 @@ class SprawlSettings(BaseSettings):
     """How events are appended."""
     streams: StreamSettings = StreamSettings()
     """How streams and consumers are declared (`sprawl infra apply`)."""
+    join: SecretStr | None = None
+    """A join token (`sprawl token create`): the run, the endpoints, this worker's own credentials and
+    the trainer's public key, for a worker on another machine. What it sets wins over other settings."""
     trust: TrustSettings = TrustSettings()
     """Which signed versions islands serve, and the key the trainer signs them with."""
 

@@ -94,6 +94,28 @@ class StackOptions(CommandOptions):
     """`up` (start the local stack in the background), `down` (stop it) or `status` (where it runs)."""
 
 
+class TokenOptions(CommandOptions):
+    action: CliPositionalArg[Literal["create", "list", "revoke"]]
+    """`create` (print a new join token), `list` (tokens issued by this stack) or `revoke ID`."""
+    token_id: CliPositionalArg[str | None] = None
+    """For `revoke`: the token's id (`sprawl token list`)."""
+    role: Literal["sampler", "rewards", "archiver", "auditor"] = "sampler"
+    """The role the token's worker runs as."""
+    ttl: str | None = Field(None, pattern=r"^\d+(\.\d+)?[smhd]?$")
+    """How long the token is valid: seconds, or with a unit (`90m`, `12h`, `7d`); none: until revoked."""
+    nats_url: str | None = None
+    """The log's URL(s) as the worker reaches them (default: the stack's, 127.0.0.1: this machine only)."""
+    s3_endpoint: str | None = None
+    """The S3 endpoint as the worker reaches it (default: the stack's)."""
+
+    @property
+    def ttl_s(self) -> float | None:
+        if self.ttl is None:
+            return None
+        unit = self.ttl[-1] if self.ttl[-1].isalpha() else "s"
+        return float(self.ttl.rstrip("smhd")) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
+
+
 class InfraOptions(CommandOptions):
     action: CliPositionalArg[Literal["apply"]]
     """`apply`: declare the run's streams and consumers (idempotent)."""
@@ -180,6 +202,49 @@ def _print_stack(st) -> None:
     print(f"  {'buckets':<13} {', '.join(st.buckets)}")
     for server in st.servers:
         print(f"  {server.name:<13} pid {server.pid}, log {server.log_file}")
+
+
+def cmd_token(options: TokenOptions, settings) -> int:
+    """Join tokens of the local secure stack: create, list, revoke."""
+    import time
+
+    from infra import join_token, stack
+    from workers.up.orchestrate import run_trust
+
+    if options.action == "list":
+        for token_id, entry in join_token.list_tokens(settings).items():
+            state = "revoked" if entry["revoked_at"] else "active"
+            if state == "active" and entry["expires_at"] and entry["expires_at"] <= time.time():
+                state = "expired"
+            print(f"{token_id}  {entry['role']:<9} run {entry['run_id']}  {state}")
+        return 0
+    st = stack.status(settings)
+    if st is None:
+        raise SprawlError("the stack is not running here", hint="`sprawl stack up` (or `sprawl up`) first")
+    if options.action == "revoke":
+        if not options.token_id:
+            raise UsageError("`sprawl token revoke` needs the token's ID", hint="`sprawl token list` shows them")
+        for line in join_token.revoke_token(settings, st, options.token_id):
+            print(line)
+        return 0
+    public_key = run_trust(settings).verifier.version_public_key
+    if public_key is None:
+        raise SprawlError(
+            "this run publishes unsigned versions: a token would give islands nothing to verify against",
+            hint="unset SPRAWL_TRUST__ALLOW_UNSIGNED_VERSIONS so the trainer signs",
+        )
+    issued = join_token.create_token(
+        settings,
+        st,
+        options.role,
+        ttl_s=options.ttl_s,
+        nats_urls=options.nats_url.split(",") if options.nats_url else None,
+        s3_endpoint=options.s3_endpoint,
+        version_public_key=public_key,
+    )
+    print(issued.text)
+    print(f"token {issued.token.token_id}: role {options.role}, run {settings.run_id}", file=sys.stderr)
+    return 0
 
 
 def cmd_infra(options: InfraOptions, settings) -> int:
@@ -365,6 +430,13 @@ COMMANDS: dict[str, Command] = {
         "workers.up.options:UpOptions",
     ),
     "infra": Command("declare streams and consumers", cmd_infra, "pipeline.config:SprawlSettings", InfraOptions),
+    "token": Command(
+        "join tokens for workers elsewhere: create, list, revoke",
+        cmd_token,
+        "infra.stack:StackSettings",
+        TokenOptions,
+        True,
+    ),
     "sql": Command(
         "DuckDB SQL over the run's archive (views: versions, trajectories, ...)", cmd_sql, ARCHIVE, SqlOptions, True
     ),
@@ -452,7 +524,61 @@ def parse(argv: list[str]) -> Invocation:
             remembered = last_up_run(settings)
             if remembered is not None:
                 settings = load_settings(model, namespace.config, cli_source=source, run_id=remembered)
+        settings = _identity(namespace.command, settings, lambda **kw: load_settings(model, namespace.config, **kw))
     return Invocation(namespace.command, command, options, settings)
+
+
+ROLE_OF_COMMAND = {
+    "trainer": "trainer",
+    "sampler": "sampler",
+    "sidecar": "sampler",
+    "rewards": "rewards",
+    "archiver": "archiver",
+    # `--fresh` archives what is in the log first: the archiver's grants.
+    "sql": "archiver",
+    "audit": "archiver",
+    "report": "archiver",
+}
+"""The identity a command connects with (the stack's own commands are the admin's)."""
+
+
+def _identity(command: str, settings: Any, reload: Callable[..., Any]) -> Any:
+    """Who a worker is on the log and the blob store, and which version key it trusts:
+    - with a join token (`--join`), what the token says (it must be for this command's role);
+    - else, on the machine of a secure local stack and with no credentials configured, the command's
+      role on that stack, and the version key of `sprawl up` in the same state folder;
+    - else the settings as given."""
+    if not isinstance(settings, SprawlSettings):
+        return settings
+    role = ROLE_OF_COMMAND.get(command, "admin")
+    if settings.join is not None:
+        from infra.join_token import JoinTokenError, decode, join_settings
+
+        text = settings.join.get_secret_value()
+        token = decode(text)
+        if token.role != role:
+            raise JoinTokenError(
+                f"this token is for the {token.role} role; `sprawl {command}` runs as {role}",
+                hint=f"create one with `sprawl token create --role {role}`",
+            )
+        return reload(**join_settings(text, settings.state_dir))
+    pointed_elsewhere = "url" in settings.nats.model_fields_set
+    if settings.nats.creds_file is None and settings.nats.user is None and not pointed_elsewhere:
+        from infra import stack
+
+        settings = stack.with_role(settings, role)
+    if role != "admin" and settings.trust.version_public_key is None and settings.trust.signing_key_file is None:
+        from workers.up.orchestrate import signing_key_path
+
+        key_file = signing_key_path(settings.state_dir)
+        if key_file.exists() and not settings.trust.allow_unsigned_versions:
+            from pipeline.version_signing import load_signing_key, public_key_text
+
+            trust = {"signing_key_file": key_file} if role == "trainer" else {}
+            if role != "trainer":
+                trust = {"version_public_key": public_key_text(load_signing_key(key_file))}
+            settings = settings.model_copy(update={"trust": settings.trust.model_copy(update=trust)})
+    return settings
 
 
 def last_up_run(settings: SprawlSettings) -> str | None:
