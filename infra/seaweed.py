@@ -3,13 +3,11 @@ under the stack folder, its buckets created at start, healthy once every bucket 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
-from pydantic import SecretStr
-
 from infra.ports import free_seaweed_base, s3_port_of, seaweed_ports
+from infra.s3_identities import write_identities
 from infra.server_process import PortClash, ServerRecord, check_alive, server_binary, spawn, stop_servers
 from infra.stack_settings import StackSection
 from pipeline.config import S3BlobSettings
@@ -17,28 +15,24 @@ from pipeline.errors import StackError
 
 
 def spawn_seaweed(
-    directory: Path, section: StackSection, s3: S3BlobSettings, base: int, *, s3_port: int = 0
+    directory: Path,
+    section: StackSection,
+    s3: S3BlobSettings,
+    base: int,
+    *,
+    s3_port: int = 0,
+    run_id: str | None = None,
 ) -> ServerRecord:
     """Start SeaweedFS on the block at `base`, S3 on `s3_port` (else the configured one, else base + 8).
-    Not yet healthy: `wait_seaweed` waits for that."""
+    Not yet healthy: `wait_seaweed` waits for that.
+
+    Its S3 identities (`s3-identities.json` in `directory`, infra/s3_identities.py): `admin`, the
+    configured credentials with every action, so the stack's own tools work as before; one identity per
+    role of `run_id` (None: the roles already in the file, e.g. on a restart); token identities, added
+    and revoked live through the IAM API on the S3 port, which SeaweedFS keeps in its filer."""
     data = directory / "seaweedfs"
     data.mkdir(parents=True, exist_ok=True)
-    identities = directory / "s3-identities.json"
-    secret: SecretStr = s3.secret_access_key
-    identities.write_text(
-        json.dumps(
-            {
-                "identities": [
-                    {
-                        "name": "sprawl",
-                        "credentials": [{"accessKey": s3.access_key_id, "secretKey": secret.get_secret_value()}],
-                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                    }
-                ]
-            }
-        )
-    )
-    identities.chmod(0o600)
+    identities = write_identities(directory, s3, run_id, s3.bucket)
     s3_port = s3_port or s3_port_of(section.s3_port, base)
     argv = [
         server_binary("weed"),
@@ -53,6 +47,8 @@ def spawn_seaweed(
         "-admin.ui=false",
         "-s3.autoCreateBucket=false",
         f"-s3.config={identities}",
+        # The IAM API (same port, admin credentials only) adds and revokes token identities live.
+        "-s3.iam.readOnly=false",
         f"-bucket={','.join(section.buckets)}",
     ] + [f"-{flag}={port}" for flag, port in seaweed_ports(base).items()]
     record = spawn("seaweedfs", argv, directory)

@@ -220,7 +220,7 @@ class EventLog:
         claim_checked = False
         headers = {"Nats-Msg-Id": self.msg_id(event), EVENT_TYPE_HEADER: type(event).type_tag()}
         if len(data) > self.settings.claim_check_threshold_bytes:
-            data = await self._claim_check(event, data)
+            data = await self._claim_check(event, data, subject)
             headers[CLAIM_CHECK_HEADER] = "1"
             claim_checked = True
         if expected_last_subject_seq is not None:
@@ -271,15 +271,20 @@ class EventLog:
             return None, holder
         return api.PubAck(stream=stream, seq=last.seq, duplicate=True), holder
 
-    async def _claim_check(self, event: Event, data: bytes) -> bytes:
-        """Blob first, event second: the pointer is only published once the blob is durable."""
+    async def _claim_check(self, event: Event, data: bytes, subject: str) -> bytes:
+        """Blob first, event second: the pointer is only published once the blob is durable.
+
+        Under `claims/<run>/<kind>/` (the subject's kind token: `traj`, `reward`, ...), so that an S3
+        identity may write only the claims of the kinds its role publishes and read only those it
+        consumes (infra/s3_identities.py)."""
         if self.blobs is None:
             raise AppendFailed(
                 f"event {event.event_id} is {len(data)} bytes, above the claim-check threshold, "
                 "and this log has no blob store",
                 hint="open the EventLog with a blob store",
             )
-        ref = await asyncio.to_thread(self.blobs.put_bytes, data, prefix=f"claims/{event.run_id}")
+        kind = subject.split(".")[2]  # rl.<run>.<kind>[.<qualifier>...]
+        ref = await asyncio.to_thread(self.blobs.put_bytes, data, prefix=claims_prefix(event.run_id, kind))
         claim = ClaimCheck(
             run_id=event.run_id,
             event_id=event.event_id,
@@ -429,6 +434,14 @@ def publish_retry_span_s(settings: LogSettings) -> float:
 class _SubjectFull(Exception):
     """The server's "maximum messages per subject exceeded"; `append` turns it into a duplicate or a
     SubjectTaken once it has read whose message holds the subject."""
+
+
+def claims_prefix(run_id: str, kind: str) -> str:
+    """`claims/<run>/<kind>`: where the claim checks of one kind of event go (`kind`: the subject's kind
+    token, e.g. `traj`). One prefix per kind, so S3 grants can follow who publishes and who reads each
+    kind. Claims written before this layout (`claims/<run>/<digest[:2]>/...`) still resolve: `resolve`
+    accepts anything under `claims/<run>/`."""
+    return f"claims/{run_id}/{kind}"
 
 
 def _kind_of(event: Event) -> str:

@@ -40,9 +40,33 @@ from pipeline.errors import (
 )
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
-_DENIED = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"}
+_UNKNOWN_KEY = {"InvalidAccessKeyId", "SignatureDoesNotMatch"}
+"""The key is not one the server knows (wrong, or revoked) or the secret does not match it."""
+_REFUSED = {"AccessDenied", "403", "Forbidden"}
+"""A known key whose grants do not cover this operation on this key (infra/s3_identities.py)."""
 _TRY_LATER = {"SlowDown", "ServiceUnavailable", "RequestTimeout", "InternalError", "500", "503"}
 """Codes that say "not now" (throttled, overloaded, timed out), not "no": transient."""
+
+
+class BlobPermissionRefused(BlobAccessDenied):
+    """S3 said no to this identity for this operation: which key, doing what, where. Fatal for the
+    operation, neither transient (retrying gets the same answer) nor a missing blob."""
+
+    def __init__(self, uri: str, code: str, endpoint: str | None, access_key_id: str, operation: str):
+        self.access_key_id, self.operation, self.code = access_key_id, operation, code
+        BlobStoreError.__init__(
+            self,
+            f"S3 refused {operation} on {uri} to access key {access_key_id} ({code}) "
+            f"at {endpoint or 'the default S3 endpoint'}",
+            hint=(
+                "the key is unknown (wrong, or its token was revoked) or the secret does not match: "
+                "check SPRAWL_BLOBS__ACCESS_KEY_ID / SPRAWL_BLOBS__SECRET_ACCESS_KEY, or join again"
+                if code in _UNKNOWN_KEY
+                else "this identity's role may not do that there: is the worker running with its own role's "
+                "credentials for this run? (the grants per role: infra/s3_identities.py)"
+            ),
+        )
+        self.uri = uri
 
 
 class S3BlobStore:
@@ -57,6 +81,7 @@ class S3BlobStore:
             "s3",
             endpoint_url=settings.endpoint_url,
             region_name=settings.region,
+            verify=str(settings.ca_file) if settings.ca_file else None,  # None: the system's trust store
             aws_access_key_id=settings.access_key_id,
             aws_secret_access_key=settings.secret_access_key.get_secret_value(),
             config=Config(
@@ -95,8 +120,10 @@ class S3BlobStore:
                 return BlobNotFound(uri)
             if code == "NoSuchBucket":
                 return BucketNotFound(bucket, endpoint)
-            if code in _DENIED:
-                return BlobAccessDenied(uri, code, endpoint)
+            if code in _UNKNOWN_KEY | _REFUSED:
+                # Never retried (botocore does not retry a 403 either, and it is no TransientError): the same
+                # key gets the same answer until someone changes the grants, and it is no missing blob.
+                return BlobPermissionRefused(uri, code, endpoint, self.settings.access_key_id, exc.operation_name)
             if code in _TRY_LATER:
                 return BlobStoreUnavailable(endpoint, f"{code} on {uri} after {self.settings.max_attempts} attempts")
             return BlobStoreError(f"S3 error on {uri}: {code}: {exc}")
