@@ -26,6 +26,18 @@ class _CurrentStderr:
         return sys.stderr.isatty()
 
 
+class _QuietTlsEof(logging.Filter):
+    """asyncio warns "returning true from eof_received() has no effect when using ssl" every time a TLS
+    connection of nats-py closes (its protocol keeps the transport half-open, which TLS cannot): noise,
+    once per connection, that would bury real warnings in every worker's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
+logging.getLogger("asyncio").addFilter(_QuietTlsEof())
+
+
 def configure_logging(run_id: str, fmt: LogFormat = "auto", level: str = "INFO", file: Path | None = None) -> None:
     """Logs go to stderr, or appended to `file` (when the terminal belongs to a live view)."""
     stream = file.open("a", buffering=1) if file is not None else _CurrentStderr()

@@ -1,0 +1,196 @@
+"""The permission matrix: try, as each role, what it must not do and what it must be able to do.
+
+Run against a live secure stack (`sprawl check permissions`) and by the tests. Each role connects
+with credentials issued for a throwaway run of its own (`permcheck-<hex>`), so the allowed publishes
+land in no real run. A forbidden attempt counts as refused only when the server says so (a
+permissions violation for exactly that subject, seen before the PONG of a flush: the server answers
+in order); an allowed attempt counts as working when the server answers it (a JetStream API reply,
+whatever its content, or a publish with no violation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import ssl
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import nats
+import nats.errors
+
+from infra.nats_permissions import GRANTS, Role, inbox_prefix
+from infra.stack_security import StackSecurity
+from pipeline.topology import STREAMS, Kind, consumers_of_run
+
+OTHER_RUN = "permcheck-other"
+"""A run no identity of the check belongs to."""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    role: str
+    what: str
+    """`publish <subject>`, `subscribe <subject>` or `request <JetStream API subject>`."""
+    should_work: bool
+    worked: bool
+
+    @property
+    def as_expected(self) -> bool:
+        return self.worked == self.should_work
+
+
+def _forbidden_publishes(role: Role, run: str) -> list[str]:
+    grant = GRANTS[role]
+    subjects = [f"rl.{run}.{kind.value}.check" for kind in Kind if kind not in grant.publishes]
+    subjects += [f"rl.{OTHER_RUN}.{kind.value}.check" for kind in grant.publishes]
+    for stream in STREAMS:
+        s = stream.name
+        subjects += [f"$JS.API.STREAM.{op}.{s}" for op in ("CREATE", "UPDATE", "DELETE", "PURGE", "MSG.DELETE")]
+        if stream not in grant.reads:
+            subjects += [
+                f"$JS.API.STREAM.INFO.{s}",
+                f"$JS.API.STREAM.MSG.GET.{s}",
+                f"$JS.API.DIRECT.GET.{s}",
+                f"$JS.API.CONSUMER.CREATE.{s}",
+                f"$JS.API.CONSUMER.CREATE.{s}.check.rl.{run}.>",
+                f"$JS.API.CONSUMER.MSG.NEXT.{s}.check",
+            ]
+        else:
+            subjects.append(f"$JS.API.CONSUMER.CREATE.{s}.check.rl.{OTHER_RUN}.>")
+    binds = {"samplers": Role.SAMPLER, "rewards": Role.REWARDS, "archiver": Role.ARCHIVER}
+    for consumer in consumers_of_run(run):
+        s, name = consumer.stream.name, consumer.name
+        subjects.append(f"$JS.API.CONSUMER.DELETE.{s}.{name}")
+        if binds[consumer.role.value] is not role:
+            subjects += [f"$JS.API.CONSUMER.MSG.NEXT.{s}.{name}", f"$JS.ACK.{s}.{name}.1.1.1.1.1"]
+    subjects += ["$JS.API.ACCOUNT.PURGE.check", "$SYS.REQ.SERVER.PING", "$JS.API.META.LEADER.STEPDOWN"]
+    return subjects
+
+
+def _forbidden_subscriptions(role: Role, run: str) -> list[str]:
+    other_inbox = inbox_prefix(Role.SAMPLER if role is not Role.SAMPLER else Role.REWARDS, run)
+    return [">", "rl.>", f"rl.{run}.>", "_INBOX.>", f"{other_inbox}.>", "$JS.API.>", "$JS.ACK.>"]
+
+
+def _allowed_publishes(role: Role, run: str) -> list[str]:
+    return [f"rl.{run}.{kind.value}.check" for kind in GRANTS[role].publishes]
+
+
+def _allowed_requests(role: Role, run: str) -> list[tuple[str, bytes]]:
+    requests: list[tuple[str, bytes]] = [("$JS.API.INFO", b"")]
+    for stream in GRANTS[role].reads:
+        s = stream.name
+        filter_subject = f"rl.{run}.>"
+        config = {
+            "stream_name": s,
+            "config": {"name": f"check-{secrets.token_hex(4)}", "filter_subject": filter_subject},
+        }
+        config["config"].update({"ack_policy": "none", "inactive_threshold": 5_000_000_000})
+        name = config["config"]["name"]
+        requests += [
+            (f"$JS.API.STREAM.INFO.{s}", b""),
+            (f"$JS.API.STREAM.MSG.GET.{s}", json.dumps({"last_by_subj": f"rl.{run}.check"}).encode()),
+            (f"$JS.API.CONSUMER.CREATE.{s}.{name}.{filter_subject}", json.dumps(config).encode()),
+            (f"$JS.API.CONSUMER.DELETE.{s}.{name}", b""),
+        ]
+    return requests
+
+
+class _Session:
+    """One role's connection, collecting the server's permission violations."""
+
+    def __init__(self, role: Role):
+        self.role = role
+        self.violations: list[str] = []
+        self.nc: nats.NATS | None = None
+
+    async def connect(self, url: str, creds: Path, ca_file: Path, inbox: str) -> None:
+        async def on_error(exc: Exception) -> None:
+            text = str(exc)
+            if "permissions violation" in text.lower():
+                self.violations.append(text.lower())
+
+        context = ssl.create_default_context(cafile=str(ca_file))
+        self.nc = await nats.connect(
+            url,
+            tls=context,
+            user_credentials=str(creds),
+            inbox_prefix=inbox,
+            error_cb=on_error,
+            max_reconnect_attempts=2,
+            name=f"permission-check-{self.role.value}",
+        )
+
+    async def refused(self, subject: str, *, subscribe: bool = False) -> bool:
+        assert self.nc is not None
+        before = len(self.violations)
+        if subscribe:
+            sub = await self.nc.subscribe(subject)
+        else:
+            await self.nc.publish(subject, b"{}", reply=self.nc.new_inbox())
+        await self.nc.flush(timeout=30)
+        for _ in range(20):  # the error callback runs as its own task, after the read loop saw the -ERR
+            if len(self.violations) > before:
+                break
+            await asyncio.sleep(0.01)
+        if subscribe:
+            await sub.unsubscribe()
+        kind = "subscription" if subscribe else "publish"
+        needle = f'{kind} to "{subject.lower()}"'
+        return any(needle in v for v in self.violations[before:])
+
+    async def answered(self, subject: str, payload: bytes) -> bool:
+        assert self.nc is not None
+        try:
+            await self.nc.request(subject, payload, timeout=30)
+        except nats.errors.TimeoutError:
+            return False
+        return True
+
+
+async def nats_permission_matrix(security: StackSecurity, url: str, roles: list[Role] | None = None) -> list[Attempt]:
+    """Every forbidden and allowed attempt for each role (default: all but admin), as it went."""
+    run = f"permcheck-{secrets.token_hex(4)}"
+    attempts: list[Attempt] = []
+    folder = security.users_dir / "permission-check"
+    for role in roles or [r for r in Role if r is not Role.ADMIN]:
+        creds = security.issue(role, run, run).write(folder / f"{role.value}.creds")
+        session = _Session(role)
+        await session.connect(url, creds, security.ca_file, inbox_prefix(role, run))
+        try:
+            for subject in _forbidden_publishes(role, run):
+                worked = not await session.refused(subject)
+                attempts.append(Attempt(role.value, f"publish {subject}", False, worked))
+            for subject in _forbidden_subscriptions(role, run):
+                worked = not await session.refused(subject, subscribe=True)
+                attempts.append(Attempt(role.value, f"subscribe {subject}", False, worked))
+            for subject in _allowed_publishes(role, run):
+                attempts.append(Attempt(role.value, f"publish {subject}", True, not await session.refused(subject)))
+            own_inbox = f"{inbox_prefix(role, run)}.check"
+            worked = not await session.refused(own_inbox, subscribe=True)
+            attempts.append(Attempt(role.value, f"subscribe {own_inbox}", True, worked))
+            for subject, payload in _allowed_requests(role, run):
+                attempts.append(
+                    Attempt(role.value, f"request {subject}", True, await session.answered(subject, payload))
+                )
+        finally:
+            assert session.nc is not None
+            await session.nc.close()
+    return attempts
+
+
+def summary(attempts: list[Attempt]) -> dict[str, int]:
+    forbidden = [a for a in attempts if not a.should_work]
+    allowed = [a for a in attempts if a.should_work]
+    return {
+        "forbidden_attempted": len(forbidden),
+        "forbidden_refused": sum(not a.worked for a in forbidden),
+        "allowed_attempted": len(allowed),
+        "allowed_ok": sum(a.worked for a in allowed),
+    }
+
+
+def surprises(attempts: list[Attempt]) -> list[dict]:
+    return [asdict(a) for a in attempts if not a.as_expected]
