@@ -1,11 +1,15 @@
 import os
+import time
 
 import pytest
 from pydantic import SecretStr
 
+from infra.s3_identities import Role, add_token_identity, revoke_token_identity
 from pipeline.blobstore import LocalBlobStore, S3BlobStore, checksum_of
+from pipeline.blobstore.s3 import BlobPermissionRefused
 from pipeline.config import LocalBlobSettings
-from pipeline.errors import BlobAccessDenied, BlobIntegrityError, BlobNotFound, BucketNotFound
+from pipeline.errors import BlobAccessDenied, BlobIntegrityError, BlobNotFound, BucketNotFound, TransientError
+from tests.servers import HANG_GUARD_S
 
 pytestmark = pytest.mark.integration
 
@@ -92,3 +96,39 @@ def test_local_backend_verifies_too(tmp_path):
         store.get_bytes(ref.uri)
     with pytest.raises(BlobNotFound):
         store.get_bytes("nothing/here")
+
+
+def test_a_refused_operation_names_key_and_operation_and_is_asked_once(blobs, settings):
+    """A 403 is the server's answer for this key, not an outage: one request however many attempts the
+    settings allow, typed as a refusal (never transient, never "absent"), saying who was refused what."""
+    token_id = settings.run_id
+    reader = add_token_identity(settings.blobs, Role.SAMPLER, settings.run_id, token_id)
+    try:
+        store = S3BlobStore(reader.applied_to(settings.blobs).model_copy(update={"max_attempts": 5}))
+        _until_accepted(store, store.uri(f"runs/{settings.run_id}/policy/none"))
+        requests: list[str] = []
+        store.client.meta.events.register("before-send.s3.*", lambda request, **_: requests.append(request.method))
+        target = f"runs/{settings.run_id}/policy/v1/blob"  # samplers read version blobs, never write them
+        with pytest.raises(BlobAccessDenied) as refused:
+            store.put_bytes(b"forged", key=target)
+        assert isinstance(refused.value, BlobPermissionRefused) and not isinstance(refused.value, TransientError)
+        assert requests == ["PUT"]
+        message = str(refused.value)
+        assert f"PutObject on {blobs.uri(target)} to access key {reader.access_key_id} (AccessDenied)" in message
+        assert "role" in refused.value.hint
+        with pytest.raises(BlobPermissionRefused, match="HeadObject"):
+            store.exists(blobs.uri(f"claims/{settings.run_id}/traj/x"))  # not one it reads: refused, not "absent"
+    finally:
+        revoke_token_identity(settings.blobs, token_id)
+
+
+def _until_accepted(store: S3BlobStore, readable_uri: str) -> None:
+    """Poll until a new identity's key is in force (SeaweedFS applies it at once; other servers may lag)."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while True:
+        try:
+            store.exists(readable_uri)
+            return
+        except BlobAccessDenied:
+            assert time.monotonic() < deadline, "the new key was never accepted"
+            time.sleep(0.05)
