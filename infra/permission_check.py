@@ -20,8 +20,12 @@ from pathlib import Path
 import nats
 import nats.errors
 
+from infra import s3_identities
 from infra.nats_permissions import GRANTS, Role, inbox_prefix
 from infra.stack_security import StackSecurity
+from infra.stack_state import StackStatus
+from pipeline.config import S3BlobSettings, SprawlSettings
+from pipeline.errors import StackError
 from pipeline.topology import STREAMS, Kind, consumers_of_run
 
 OTHER_RUN = "permcheck-other"
@@ -194,3 +198,32 @@ def summary(attempts: list[Attempt]) -> dict[str, int]:
 
 def surprises(attempts: list[Attempt]) -> list[dict]:
     return [asdict(a) for a in attempts if not a.as_expected]
+
+
+def check_stack_permissions(settings: SprawlSettings, st: StackStatus) -> tuple[dict[str, int], list[dict]]:
+    """Both halves of the matrix against the running stack `st`: the log (roles on a throwaway run) and
+    the bucket (an S3 identity per role of that run, made through the IAM API and deleted afterwards).
+    Returns the counts (`sprawl check permissions --json`) and every attempt that went unexpectedly."""
+    if not st.secure:
+        raise StackError(
+            "the stack is not secure: every client may do everything",
+            hint="restart it with stack.secure on (the default)",
+        )
+    security = StackSecurity(Path(st.state_dir) / "stack")
+    log_attempts = asyncio.run(nats_permission_matrix(security, st.nats_url))
+    admin = settings.blobs if isinstance(settings.blobs, S3BlobSettings) else S3BlobSettings()
+    admin = admin.model_copy(update={"endpoint_url": st.s3_endpoint})
+    run = f"permcheck-{secrets.token_hex(4)}"
+    roles = [role for role in s3_identities.Role if role.value != "admin"]
+    creds = {}
+    try:
+        for role in roles:
+            creds[role] = s3_identities.add_token_identity(admin, role, run, f"{run}-{role.value}")
+        blob_attempts = s3_identities.s3_permission_matrix(admin, run, creds)
+    finally:
+        for role in creds:
+            s3_identities.revoke_token_identity(admin, f"{run}-{role.value}")
+    blob_counts = s3_identities.matrix_counts(blob_attempts)
+    counts = {key: value + blob_counts[key] for key, value in summary(log_attempts).items()}
+    unexpected = surprises(log_attempts) + [asdict(a) for a in blob_attempts if not a.ok]
+    return counts, unexpected

@@ -66,6 +66,9 @@ def open_duckdb(settings: SprawlSettings, database: str = ":memory:") -> duckdb.
                 "URL_STYLE": "path",
                 "USE_SSL": "true" if endpoint.scheme == "https" else "false",
             }
+        if blobs.ca_file is not None:  # the stack's own CA: verify its certificate against that, not the system's
+            con.execute(f"SET ca_cert_file = {_literal(str(blobs.ca_file))}")
+            con.execute("SET enable_server_cert_verification = true")
         rendered = ", ".join(f"{k} {_literal(v)}" for k, v in options.items())
         con.execute(f"CREATE OR REPLACE SECRET sprawl_s3 ({rendered})")
     con.create_function("printable", printable, [BLOB, BIGINT], VARCHAR, side_effects=False)

@@ -116,6 +116,13 @@ class TokenOptions(CommandOptions):
         return float(self.ttl.rstrip("smhd")) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
 
 
+class CheckOptions(CommandOptions):
+    name: CliPositionalArg[Literal["permissions"]]
+    """`permissions`: every role's forbidden and allowed actions on the running stack's log and bucket."""
+    json_output: bool = Field(False, validation_alias="json")
+    """Print one JSON object as the last line."""
+
+
 class InfraOptions(CommandOptions):
     action: CliPositionalArg[Literal["apply"]]
     """`apply`: declare the run's streams and consumers (idempotent)."""
@@ -245,6 +252,26 @@ def cmd_token(options: TokenOptions, settings) -> int:
     print(issued.text)
     print(f"token {issued.token.token_id}: role {options.role}, run {settings.run_id}", file=sys.stderr)
     return 0
+
+
+def cmd_check(options: CheckOptions, settings) -> int:
+    """`sprawl check permissions`: the permission matrix against the running secure stack. Exit 1 when
+    any attempt went otherwise than the roles say (each one is printed)."""
+    from infra import stack
+    from infra.permission_check import check_stack_permissions
+
+    st = stack.status(settings)
+    if st is None:
+        raise SprawlError("the stack is not running here", hint="`sprawl stack up` (or `sprawl up`) first")
+    counts, surprises = check_stack_permissions(settings, st)
+    for surprise in surprises:
+        print(f"UNEXPECTED: {json.dumps(surprise)}", file=sys.stderr)
+    if options.json_output:
+        print(json.dumps(counts))
+    else:
+        for key, value in counts.items():
+            print(f"{key:<22} {value}")
+    return 1 if surprises else 0
 
 
 def cmd_infra(options: InfraOptions, settings) -> int:
@@ -430,6 +457,7 @@ COMMANDS: dict[str, Command] = {
         "workers.up.options:UpOptions",
     ),
     "infra": Command("declare streams and consumers", cmd_infra, "pipeline.config:SprawlSettings", InfraOptions),
+    "check": Command("checks of a running stack: permissions", cmd_check, "infra.stack:StackSettings", CheckOptions),
     "token": Command(
         "join tokens for workers elsewhere: create, list, revoke",
         cmd_token,
