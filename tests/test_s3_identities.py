@@ -36,6 +36,9 @@ from infra.stack_settings import StackSection
 from pipeline.blobstore import S3BlobStore
 from pipeline.config import S3BlobSettings
 from pipeline.errors import BlobAccessDenied, TransientError
+from pipeline.eventlog import EventLog
+from schemas import decode_event
+from tests.events import trajectory
 from tests.servers import HANG_GUARD_S, START_TIMEOUT_S, new_run_id
 
 RUN = "r1"
@@ -262,3 +265,41 @@ def test_role_credentials_apply_to_blob_settings():
     applied = creds.applied_to(S3BlobSettings(bucket="other-bucket"))
     assert applied.access_key_id == "AKID" and applied.secret_access_key.get_secret_value() == "s3cret"
     assert applied.bucket == "other-bucket"
+
+
+@pytest.mark.integration
+async def test_claim_checks_go_under_their_kind_and_cross_roles_with_each_roles_own_key(event_log, settings):
+    """A sampler's large trajectory is claim-checked under `claims/<run>/traj/` with the sampler's key alone,
+    and a reward worker resolves it with its own key (session stack; identities added live)."""
+    run = settings.run_id
+    sampler = add_token_identity(settings.blobs, Role.SAMPLER, run, f"{run}-s")
+    rewards = add_token_identity(settings.blobs, Role.REWARDS, run, f"{run}-r")
+    logs = []
+    try:
+        for creds in (sampler, rewards):
+            _wait_until(lambda c=creds: _lists_nothing_refused(c, settings.blobs), "the new key to be accepted")
+            logs.append(
+                await EventLog.connect(settings.model_copy(update={"blobs": creds.applied_to(settings.blobs)}), "t")
+            )
+        as_sampler, as_rewards = logs
+        big = trajectory(run, "big-1", output_tokens=20_000)
+        result = await as_sampler.append(big)
+        assert result.claim_checked
+        msg = await event_log.js.get_msg("TRAJECTORIES", result.seq)
+        claim = decode_event(msg.data)
+        assert claim.uri.startswith(f"s3://{settings.blobs.bucket}/claims/{run}/traj/")
+        assert (await as_rewards.resolve(msg.data, subject=msg.subject)).event_id == big.event_id
+    finally:
+        for log in logs:
+            await log.close()
+        revoke_token_identity(settings.blobs, f"{run}-s")
+        revoke_token_identity(settings.blobs, f"{run}-r")
+
+
+def _lists_nothing_refused(creds: RoleCredentials, blobs: S3BlobSettings) -> bool:
+    """Whether the key is known yet: an unknown key is InvalidAccessKeyId, a known one AccessDenied here."""
+    try:
+        S3BlobStore(creds.applied_to(blobs).model_copy(update={"max_attempts": 1})).list_keys("nobody-lists-this/")
+    except BlobAccessDenied as exc:
+        return "InvalidAccessKeyId" not in str(exc)
+    return True
