@@ -9,6 +9,7 @@ from pathlib import Path
 from infra.ports import free_seaweed_base, s3_port_of, seaweed_ports
 from infra.s3_identities import write_identities
 from infra.server_process import PortClash, ServerRecord, check_alive, server_binary, spawn, stop_servers
+from infra.stack_security import StackSecurity
 from infra.stack_settings import StackSection
 from pipeline.config import S3BlobSettings
 from pipeline.errors import StackError
@@ -39,7 +40,7 @@ def spawn_seaweed(
         "mini",
         f"-dir={data}",
         "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
+        f"-ip.bind={section.bind_host}",
         f"-s3.port={s3_port}",
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
@@ -51,8 +52,11 @@ def spawn_seaweed(
         "-s3.iam.readOnly=false",
         f"-bucket={','.join(section.buckets)}",
     ] + [f"-{flag}={port}" for flag, port in seaweed_ports(base).items()]
+    if section.secure:  # S3 over TLS on the same port, with a certificate from the stack's own CA
+        cert = StackSecurity(directory).server_certificate("s3", section.advertise_hosts)
+        argv += [f"-s3.cert.file={cert.cert_file}", f"-s3.key.file={cert.key_file}"]
     record = spawn("seaweedfs", argv, directory)
-    record.endpoint = f"http://127.0.0.1:{s3_port}"
+    record.endpoint = f"{'https' if section.secure else 'http'}://127.0.0.1:{s3_port}"
     record.ports = {"s3": s3_port, "base": base}
     return record
 
@@ -96,6 +100,7 @@ def wait_s3(record: ServerRecord, section: StackSection, s3: S3BlobSettings, dea
             s3.model_copy(
                 update={
                     "endpoint_url": record.endpoint,
+                    "ca_file": StackSecurity(Path(record.log_file).parent).ca_file if section.secure else None,
                     "bucket": bucket,
                     "max_attempts": 1,
                     "connect_timeout_s": 1.0,

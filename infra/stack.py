@@ -169,11 +169,17 @@ def with_endpoints(settings: SettingsT, st: StackStatus, role: Role | str = Role
     it has started when the configured ports are 0) and, on a secure stack, the credentials of `role`
     in `settings.run_id` (admin: the operator's own, for the stack's commands and tests)."""
     nats = settings.nats.model_copy(update={"url": st.nats_url})
-    if st.secure:
-        nats = StackSecurity(Path(st.state_dir) / "stack").nats_settings(nats, st.nats_url, role, settings.run_id)
+    security = StackSecurity(Path(st.state_dir) / "stack") if st.secure else None
+    if security is not None:
+        nats = security.nats_settings(nats, st.nats_url, role, settings.run_id)
     update: dict[str, object] = {"nats": nats}
     if settings.blobs.type == "s3":  # a local-folder blob store has no endpoint to point
-        update["blobs"] = settings.blobs.model_copy(update={"endpoint_url": st.s3_endpoint})
+        blobs = settings.blobs.model_copy(update={"endpoint_url": st.s3_endpoint})
+        if security is not None:
+            blobs = security.blob_settings(
+                blobs.model_copy(update={"ca_file": security.ca_file}), role, settings.run_id
+            )
+        update["blobs"] = blobs
     return settings.model_copy(update=update)
 
 

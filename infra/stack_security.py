@@ -12,10 +12,13 @@ import json
 import time
 from pathlib import Path
 
+from pydantic import SecretStr
+
+from infra import s3_identities
 from infra.nats_auth import NatsAuthority, UserCredentials, decode_claims
 from infra.nats_permissions import Role, inbox_prefix, permissions_for
-from infra.pki import ServerCertificate, ensure_server_certificate
-from pipeline.config import NatsSettings
+from infra.pki import ServerCertificate, ensure_server_certificate, write_private
+from pipeline.config import NatsSettings, S3BlobSettings
 
 LOCAL_HOSTS = ["127.0.0.1", "localhost"]
 
@@ -72,6 +75,22 @@ class StackSecurity:
         revoked_at = self.authority.revocations().get(claims["sub"])
         expired = claims.get("exp") is not None and claims["exp"] <= time.time()
         return expired or (revoked_at is not None and claims["iat"] <= revoked_at)
+
+    def blob_settings(self, admin: S3BlobSettings, role: Role | str, run_id: str) -> S3BlobSettings:
+        """`admin` (the stack's endpoint and bucket) with the S3 identity of `role` in `run_id`: made
+        through the IAM API on first use (a live change, no restart) and kept in the stack folder."""
+        role = Role(role)
+        if role is Role.ADMIN:
+            return admin
+        path = self.users_dir / f"{role.value}-{run_id}.s3.json"
+        if path.exists():
+            saved = json.loads(path.read_text())
+            key = s3_identities.RoleCredentials(saved["access_key_id"], SecretStr(saved["secret"]), saved["identity"])
+        else:
+            key = s3_identities.add_token_identity(admin, role.value, run_id, f"role-{role.value}-{run_id}")
+            record = {"access_key_id": key.access_key_id, "secret": key.secret_access_key.get_secret_value()}
+            write_private(path, json.dumps({**record, "identity": key.identity}).encode())
+        return key.applied_to(admin)
 
     def nats_settings(self, nats: NatsSettings, url: str, role: Role | str, run_id: str) -> NatsSettings:
         """`nats` pointed at this stack as `role` of `run_id`: TLS pinned to its CA, the role's creds."""
