@@ -121,8 +121,15 @@ def permissions_for(role: Role | str, run_id: str, inbox: str) -> Permissions:
         publish += [f"rl.{run}.{kind.value}", f"rl.{run}.{kind.value}.>"]
     for stream in grant.reads:
         publish += _reading(stream, run)
+    for stream in STREAMS:
+        if stream not in grant.reads and any(p.kind in grant.publishes for p in stream.patterns):
+            # Reading back what it appends: whether its event is already there (a restarted worker's
+            # idempotency check, a publish that timed out), by stream info and message get.
+            publish += [f"$JS.API.STREAM.INFO.{stream.name}", f"$JS.API.STREAM.MSG.GET.{stream.name}"]
+    # Live notifications of what it may read anyway (an island hears of a new version at once).
+    live = [subject for stream in grant.reads for subject in stream.run_subjects(run)]
     return Permissions(
         publish=tuple(dict.fromkeys(publish)),
-        subscribe=(f"{inbox}.>",),
+        subscribe=(f"{inbox}.>", *live),
         deny_publish=tuple(_others_durables(role, run)),
     )

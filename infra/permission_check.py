@@ -52,10 +52,11 @@ def _forbidden_publishes(role: Role, run: str) -> list[str]:
     for stream in STREAMS:
         s = stream.name
         subjects += [f"$JS.API.STREAM.{op}.{s}" for op in ("CREATE", "UPDATE", "DELETE", "PURGE", "MSG.DELETE")]
+        reads_back = any(p.kind in grant.publishes for p in stream.patterns)
+        if stream not in grant.reads and not reads_back:
+            subjects += [f"$JS.API.STREAM.INFO.{s}", f"$JS.API.STREAM.MSG.GET.{s}"]
         if stream not in grant.reads:
             subjects += [
-                f"$JS.API.STREAM.INFO.{s}",
-                f"$JS.API.STREAM.MSG.GET.{s}",
                 f"$JS.API.DIRECT.GET.{s}",
                 f"$JS.API.CONSUMER.CREATE.{s}",
                 f"$JS.API.CONSUMER.CREATE.{s}.check.rl.{run}.>",

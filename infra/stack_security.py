@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from infra import s3_identities
-from infra.nats_auth import NatsAuthority, UserCredentials, decode_claims
+from infra.nats_auth import NatsAuthority, Permissions, UserCredentials, decode_claims
 from infra.nats_permissions import Role, inbox_prefix, permissions_for
 from infra.pki import ServerCertificate, ensure_server_certificate, write_private
 from pipeline.config import NatsSettings, S3BlobSettings
@@ -65,16 +65,19 @@ class StackSecurity:
         """The credentials of `role` in `run_id` for workers on this machine, issued once and kept."""
         role = Role(role)
         path = self.users_dir / f"{role.value}-{run_id}.creds"
-        if not path.exists() or self._revoked(path):
+        if not path.exists() or self._unusable(path, permissions_for(role, run_id, inbox_prefix(role, run_id))):
             self.issue(role, run_id, run_id).write(path)
         return path
 
-    def _revoked(self, creds_file: Path) -> bool:
+    def _unusable(self, creds_file: Path, permissions: Permissions) -> bool:
+        """Revoked, expired, or issued with other permissions than the role has now (a newer sprawl)."""
         jwt = creds_file.read_text().split("-----BEGIN NATS USER JWT-----\n", 1)[1].split("\n", 1)[0]
         claims = decode_claims(jwt)
         revoked_at = self.authority.revocations().get(claims["sub"])
         expired = claims.get("exp") is not None and claims["exp"] <= time.time()
-        return expired or (revoked_at is not None and claims["iat"] <= revoked_at)
+        granted = {key: claims["nats"].get(key) for key in ("pub", "sub")}
+        outdated = granted != permissions.claims()
+        return expired or outdated or (revoked_at is not None and claims["iat"] <= revoked_at)
 
     def blob_settings(self, admin: S3BlobSettings, role: Role | str, run_id: str) -> S3BlobSettings:
         """`admin` (the stack's endpoint and bucket) with the S3 identity of `role` in `run_id`: made
