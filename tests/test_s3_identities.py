@@ -32,6 +32,7 @@ from infra.s3_identities import (
 )
 from infra.seaweed import spawn_seaweed, wait_seaweed
 from infra.server_process import ServerRecord, is_running, stop_servers
+from infra.stack_security import StackSecurity
 from infra.stack_settings import StackSection
 from pipeline.blobstore import S3BlobStore
 from pipeline.config import S3BlobSettings
@@ -149,7 +150,9 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory):
     try:
         wait_seaweed(directory, section, admin, started, time.monotonic() + START_TIMEOUT_S, attempts=8, s3_port=0)
         record: ServerRecord = started[-1]
-        yield admin.model_copy(update={"endpoint_url": record.endpoint}), directory, record
+        # A secure stack (the default) serves S3 over TLS with a certificate from its own CA: pin it.
+        ca_file = StackSecurity(directory).ca_file if section.secure else None
+        yield admin.model_copy(update={"endpoint_url": record.endpoint, "ca_file": ca_file}), directory, record
     finally:
         stop_servers(started)
 
