@@ -134,6 +134,8 @@ class BenchOptions(CommandOptions):
     """Fewer iterations."""
     json_output: bool = Field(False, validation_alias="json")
     """Print one JSON object as the last line."""
+    wan: bool = False
+    """`sync` only: islands in network namespaces of their own, joined by tokens over tbf-shaped links."""
 
 
 # ---------------------------------------------------------------- the registry of commands
@@ -443,7 +445,7 @@ def cmd_rewards(options, settings) -> int:
 def cmd_bench(options: BenchOptions, settings) -> int:
     from workers.bench import run_bench
 
-    return run_bench(options.name, quick=options.quick, as_json=options.json_output)
+    return run_bench(options.name, quick=options.quick, as_json=options.json_output, wan=options.wan)
 
 
 ARCHIVE = "workers.archiver:ArchiverSettings"

@@ -21,7 +21,7 @@ BENCHES: dict[str, str] = {
 """Name -> `module:function` (imported only when that benchmark runs)."""
 
 
-def run_bench(name: str, *, quick: bool, as_json: bool) -> int:
+def run_bench(name: str, *, quick: bool, as_json: bool, wan: bool = False) -> int:
     from rich.console import Console
     from rich.table import Table
 
@@ -29,8 +29,11 @@ def run_bench(name: str, *, quick: bool, as_json: bool) -> int:
 
     if name not in BENCHES:
         raise SprawlError(f"unknown benchmark {name!r}", hint=f"choose one of {', '.join(BENCHES)}")
+    if wan and name != "sync":
+        raise SprawlError(f"--wan is an option of `sprawl bench sync`, not of {name!r}")
     module, _, function = BENCHES[name].partition(":")
-    rows, summary = getattr(importlib.import_module(module), function)(quick=quick)
+    bench = getattr(importlib.import_module(module), function)
+    rows, summary = bench(quick=quick, wan=True) if wan else bench(quick=quick)
     console = Console(width=max(160, Console().width))
     table = Table(title=f"sprawl bench {name}")
     for column in rows[0]:
