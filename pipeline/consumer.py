@@ -35,6 +35,7 @@ from nats.aio.msg import Msg
 
 from pipeline.dead_letter import dead_letter
 from pipeline.errors import (
+    BlobAccessDenied,
     BlobStoreUnavailable,
     BucketNotFound,
     ConsumerNotDeclared,
@@ -215,9 +216,11 @@ class Consumer:
             except PoisonEvent as exc:
                 await self._dead_letter(msg, exc.message, exc.error_class, run_id=None)
                 return
-            except BucketNotFound:
+            except (BucketNotFound, BlobAccessDenied):
                 # `resolve` only reads claims under this run's own prefix (a pointer elsewhere is poison), so
-                # this is our own store's bucket gone: fatal configuration, not the message's fault.
+                # this is our own store's bucket gone, or our identity refused (a revoked token, a role
+                # without the grant): fatal configuration, not the message's fault, and retrying would
+                # only dead-letter good messages.
                 raise
             except SprawlError as exc:  # the blob store is down or refuses us: try again later
                 await self._retry_later(msg, delivered, exc, run_id=None)

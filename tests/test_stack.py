@@ -217,7 +217,7 @@ def test_a_seaweed_port_taken_before_it_binds_moves_it_to_another_block(tmp_path
         try:
             st = stack.up(settings)
             assert len(choices) == 2, "started again on a second block"
-            assert st.server("seaweedfs").endpoint == f"http://127.0.0.1:{choices[1] + 8}"
+            assert st.server("seaweedfs").endpoint == f"https://127.0.0.1:{choices[1] + 8}"
             blobs = S3BlobStore(stack.with_endpoints(settings, st).blobs)
             assert blobs.get_bytes(blobs.put_bytes(b"served", key="p/moved").uri) == b"served"
         finally:
