@@ -117,6 +117,19 @@ class AppendFailed(LogError):
     pass
 
 
+class LogPermissionRefused(AppendFailed):
+    """The server refused this identity a publish (its role has no such permission): fatal, never
+    retried, since the same credentials get the same answer."""
+
+    def __init__(self, subject: str):
+        self.subject = subject
+        super().__init__(
+            f"the log refused this identity permission to publish to {subject}",
+            hint="this worker runs with another role's credentials or an outdated token: check nats.creds_file "
+            "or ask for a token of the right role (`sprawl token create --role ...`)",
+        )
+
+
 class LogUnavailable(LogError, TransientError):
     """The log did not answer (timeout, reconnecting, no responders): retry later, never read as absence."""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import socket
 import ssl
 import time
@@ -37,6 +38,7 @@ from pipeline.errors import (
     AppendFailed,
     AppendUnavailable,
     LogError,
+    LogPermissionRefused,
     LogUnavailable,
     PoisonEvent,
     StreamNotDeclared,
@@ -129,7 +131,12 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
         log.info("nats reconnected", url=settings.url)
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats client error", error=str(exc))
+        text = str(exc)
+        if match := _PERMISSION_VIOLATION.search(text):
+            refused_subjects(nc).add(match.group(2))
+            log.error("the log refused this identity", operation=match.group(1), subject=match.group(2))
+            return
+        log.warning("nats client error", error=text)
 
     try:
         await nc.connect(disconnected_cb=on_disconnected, reconnected_cb=on_reconnected, error_cb=on_error, **options)
@@ -141,6 +148,19 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
         ) from exc
     nc.options["max_reconnect_attempts"] = -1  # from now on a restart of the server is waited out
     return nc
+
+
+_PERMISSION_VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"', re.IGNORECASE)
+
+
+def refused_subjects(nc: NATS) -> set[str]:
+    """Subjects (lowercased, as the server reports them) this connection was refused: the server says so
+    asynchronously, and a refused publish otherwise looks like a timeout."""
+    refused = getattr(nc, "_sprawl_refused_subjects", None)
+    if refused is None:
+        refused = set()
+        nc._sprawl_refused_subjects = refused  # type: ignore[attr-defined]
+    return refused
 
 
 def tls_context(ca_file: Path) -> ssl.SSLContext:
@@ -341,6 +361,8 @@ class EventLog:
                 if task is not None and task.cancelling():
                     # nats-py can turn our cancellation into a timeout: a stopping worker must stop.
                     raise asyncio.CancelledError from exc
+                if subject.lower() in refused_subjects(self.nc):
+                    raise LogPermissionRefused(subject) from exc
                 last_error = exc
             log.warning("append retry", subject=subject, attempt=attempt, error=type(last_error).__name__)
             await asyncio.sleep(delay)
