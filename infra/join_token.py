@@ -25,8 +25,9 @@ import msgspec
 
 from infra import s3_identities
 from infra.nats_auth import signal_reload
-from infra.nats_permissions import Role, inbox_prefix
+from infra.nats_permissions import inbox_prefix
 from infra.pki import write_private
+from infra.roles import Role
 from infra.stack_security import StackSecurity
 from infra.stack_state import StackStatus, stack_dir
 from pipeline.config import S3BlobSettings, SprawlSettings

@@ -14,56 +14,15 @@ and may subscribe only there, so one island cannot read the replies (and pushed 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import StrEnum
-
 from infra.nats_auth import Permissions
+from infra.roles import GRANTS, Role
 from pipeline.topology import (
-    DEADLETTER,
-    METRICS,
-    POLICY,
-    PROMPTS,
-    REWARDS,
     STREAMS,
-    TRAINER,
-    TRAJECTORIES,
     ConsumerRole,
-    Kind,
     Stream,
     consumers_of_run,
     token,
 )
-
-
-class Role(StrEnum):
-    ADMIN = "admin"
-    """The stack and the operator: declares streams (`sprawl infra apply`), drives prompts in `sprawl up`."""
-    TRAINER = "trainer"
-    SAMPLER = "sampler"
-    REWARDS = "rewards"
-    ARCHIVER = "archiver"
-    AUDITOR = "auditor"
-
-
-@dataclass(frozen=True)
-class Grant:
-    publishes: tuple[Kind, ...]
-    """Kinds of event this role appends, in its own run only."""
-    reads: tuple[Stream, ...]
-
-
-GRANTS: dict[Role, Grant] = {
-    Role.TRAINER: Grant(
-        (Kind.POLICY, Kind.TRAINER, Kind.METRICS, Kind.DEAD_LETTERS),
-        (POLICY, PROMPTS, TRAJECTORIES, REWARDS, TRAINER, METRICS, DEADLETTER),
-    ),
-    # Samplers dead-letter prompt groups they cannot decode and versions they refuse to serve.
-    Role.SAMPLER: Grant((Kind.TRAJECTORIES, Kind.HEARTBEATS, Kind.DEAD_LETTERS), (POLICY, PROMPTS)),
-    Role.REWARDS: Grant((Kind.REWARDS, Kind.DEAD_LETTERS), (PROMPTS, TRAJECTORIES)),
-    # The archiver writes nothing to the log but the dead letters of the poison it finds on any stream.
-    Role.ARCHIVER: Grant((Kind.DEAD_LETTERS,), STREAMS),
-    Role.AUDITOR: Grant((), STREAMS),
-}
 
 
 def inbox_prefix(role: Role | str, identity: str) -> str:

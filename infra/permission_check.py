@@ -21,7 +21,8 @@ import nats
 import nats.errors
 
 from infra import s3_identities
-from infra.nats_permissions import GRANTS, Role, inbox_prefix
+from infra.nats_permissions import inbox_prefix
+from infra.roles import GRANTS, WORKER_ROLES, Role
 from infra.stack_security import StackSecurity
 from infra.stack_state import StackStatus
 from pipeline.config import S3BlobSettings, SprawlSettings
@@ -160,7 +161,7 @@ async def nats_permission_matrix(security: StackSecurity, url: str, roles: list[
     run = f"permcheck-{secrets.token_hex(4)}"
     attempts: list[Attempt] = []
     folder = security.users_dir / "permission-check"
-    for role in roles or [r for r in Role if r is not Role.ADMIN]:
+    for role in roles or WORKER_ROLES:
         creds = security.issue(role, run, run).write(folder / f"{role.value}.creds")
         session = _Session(role)
         await session.connect(url, creds, security.ca_file, inbox_prefix(role, run))
@@ -215,7 +216,7 @@ def check_stack_permissions(settings: SprawlSettings, st: StackStatus) -> tuple[
     admin = settings.blobs if isinstance(settings.blobs, S3BlobSettings) else S3BlobSettings()
     admin = admin.model_copy(update={"endpoint_url": st.s3_endpoint})
     run = f"permcheck-{secrets.token_hex(4)}"
-    roles = [role for role in s3_identities.Role if role.value != "admin"]
+    roles = list(WORKER_ROLES)
     creds = {}
     try:
         for role in roles:

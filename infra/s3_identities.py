@@ -35,6 +35,7 @@ from typing import Any
 import structlog
 from pydantic import SecretStr
 
+from infra.roles import GRANTS, WORKER_ROLES, Role
 from pipeline.config import S3BlobSettings
 from pipeline.errors import SprawlError
 from pipeline.eventlog import claims_prefix
@@ -48,14 +49,6 @@ IDENTITIES_FILE = "s3-identities.json"
 ADMIN = "admin"
 """The stack's own identity (`sprawl stack`, `sprawl infra apply`, benchmarks): every action."""
 ADMIN_ACTIONS = ["Admin", "Read", "Write", "List", "Tagging"]
-
-
-class Role(StrEnum):
-    TRAINER = "trainer"
-    SAMPLER = "sampler"
-    REWARDS = "rewards"
-    ARCHIVER = "archiver"
-    AUDITOR = "auditor"
 
 
 class Access(StrEnum):
@@ -74,27 +67,6 @@ class S3IdentityError(SprawlError):
 
 
 # ---------------------------------------------------------------- the grants, as data
-
-PUBLISHES: Mapping[Role, tuple[Kind, ...]] = {
-    # The trainer's own kinds; prompts too: the prompt driver runs with the trainer in `sprawl up`.
-    Role.TRAINER: (Kind.POLICY, Kind.TRAINER, Kind.METRICS, Kind.PROMPTS),
-    Role.SAMPLER: (Kind.TRAJECTORIES, Kind.HEARTBEATS, Kind.DEAD_LETTERS),
-    Role.REWARDS: (Kind.REWARDS, Kind.DEAD_LETTERS),
-    Role.ARCHIVER: (Kind.DEAD_LETTERS,),  # it dead-letters what it cannot decode
-    Role.AUDITOR: (),
-}
-"""The kinds of event each role appends (so may claim-check): the consumers of pipeline/consumer.py
-and the archiver dead-letter what they refuse, and a dead letter carries the original bytes."""
-
-CONSUMES: Mapping[Role, tuple[Kind, ...]] = {
-    # Trajectories and rewards to train on; its own chain and leases/checkpoints when it resumes.
-    Role.TRAINER: (Kind.TRAJECTORIES, Kind.REWARDS, Kind.POLICY, Kind.TRAINER),
-    Role.SAMPLER: (Kind.PROMPTS, Kind.POLICY),
-    Role.REWARDS: (Kind.TRAJECTORIES, Kind.PROMPTS),  # trajectories to score, prompts for their answers
-    Role.ARCHIVER: tuple(Kind),
-    Role.AUDITOR: tuple(Kind),
-}
-"""The kinds of event each role resolves (so reads claim checks of)."""
 
 
 @dataclass(frozen=True)
@@ -127,8 +99,8 @@ def run_claims_prefix(run_id: str) -> str:
 def grants(role: Role | str, run_id: str) -> tuple[Grant, ...]:
     """Everything `role` may do in run `run_id`; anything else is refused."""
     role, run = Role(role), token(run_id, "run_id")  # a run id is a subject token: no `*`, `?` or `/`
-    reads = [Grant(Access.READ, claim_prefix(run, kind)) for kind in CONSUMES[role]]
-    writes = [Grant(Access.WRITE, claim_prefix(run, kind)) for kind in PUBLISHES[role]]
+    reads = [Grant(Access.READ, claim_prefix(run, kind)) for kind in GRANTS[role].consumes]
+    writes = [Grant(Access.WRITE, claim_prefix(run, kind)) for kind in GRANTS[role].publishes]
     match role:
         case Role.TRAINER:  # version blobs, lineage, checkpoints: written and read back on resume
             own = [Grant(Access.READ, run_prefix(run)), Grant(Access.WRITE, run_prefix(run))]
@@ -227,7 +199,7 @@ def write_identities(stack_dir: Path, admin: S3BlobSettings, run_id: str | None,
     current = _read(path)
     kept = {i["name"]: i for i in current.get("identities", []) if i.get("name") != ADMIN}
     policies = {p["name"]: p for p in current.get("policies", [])}
-    for role in Role if run_id is not None else ():
+    for role in WORKER_ROLES if run_id is not None else ():
         name = role_identity(role, run_id)
         if name not in kept:
             key = RoleCredentials(f"{role.value[:4].upper()}{secrets.token_hex(8).upper()}", _new_secret(), name)

@@ -23,9 +23,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from infra.nats_permissions import Role
 from infra.nats_server import spawn_nats, start_nats, wait_nats_ready
 from infra.ports import SEAWEED_SPAN, Port, free_seaweed_base, port_is_free, s3_port_of, seaweed_ports
+from infra.roles import Role
 from infra.seaweed import spawn_seaweed, wait_seaweed
 from infra.server_process import (
     BINARIES,

@@ -16,8 +16,9 @@ from pydantic import SecretStr
 
 from infra import s3_identities
 from infra.nats_auth import NatsAuthority, Permissions, UserCredentials, decode_claims
-from infra.nats_permissions import Role, inbox_prefix, permissions_for
+from infra.nats_permissions import inbox_prefix, permissions_for
 from infra.pki import ServerCertificate, ensure_server_certificate, write_private
+from infra.roles import Role
 from pipeline.config import NatsSettings, S3BlobSettings
 
 LOCAL_HOSTS = ["127.0.0.1", "localhost"]

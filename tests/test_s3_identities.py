@@ -13,6 +13,7 @@ import pytest
 from pydantic import SecretStr
 
 from infra.ports import free_seaweed_base
+from infra.roles import WORKER_ROLES
 from infra.s3_identities import (
     ADMIN,
     IDENTITIES_FILE,
@@ -50,8 +51,9 @@ KINDS = ("policy", "prompts", "traj", "reward", "metrics", "heartbeat", "deadlet
 EXPECTED_ALLOWED: dict[str, set[tuple[str, str]]] = {
     "trainer": {
         *{(op, t) for op in ("put", "get") for t in ("policy", "lineage", "checkpoints")},
-        *{("put", f"claims/{k}") for k in ("policy", "trainer", "metrics", "prompts")},
-        *{("get", f"claims/{k}") for k in ("traj", "reward", "policy", "trainer")},
+        *{("put", f"claims/{k}") for k in ("policy", "trainer", "metrics", "prompts", "deadletter")},
+        # It reads every stream (its feeds, its chain, its leases, the fleet's metrics and dead letters).
+        *{("get", f"claims/{k}") for k in KINDS},
     },
     "sampler": {
         ("get", "policy"),
@@ -78,7 +80,7 @@ EXPECTED_ALLOWED: dict[str, set[tuple[str, str]]] = {
 # ---------------------------------------------------------------- the grants as IAM policies (no server)
 
 
-@pytest.mark.parametrize("role", list(Role))
+@pytest.mark.parametrize("role", list(WORKER_ROLES))
 def test_iam_policy_grants_exactly_the_roles_prefixes(role: Role):
     policy = iam_policy(role, RUN, BUCKET)
     granted: set[tuple[Access, str]] = set()
@@ -102,7 +104,7 @@ def test_only_the_trainer_writes_version_blobs_and_nobody_writes_another_roles_c
     def writes_versions(role: Role) -> bool:
         return any(g.access == Access.WRITE and "runs/r1/policy/".startswith(g.prefix) for g in grants(role, RUN))
 
-    writers = {role for role in Role if writes_versions(role)}
+    writers = {role for role in WORKER_ROLES if writes_versions(role)}
     assert writers == {Role.TRAINER}
     for role in (Role.SAMPLER, Role.REWARDS, Role.AUDITOR):
         assert not any(g.access == Access.WRITE and g.prefix.startswith("runs/") for g in grants(role, RUN))
@@ -122,14 +124,14 @@ def test_identities_file_is_private_keeps_role_keys_and_knows_each_role(tmp_path
     path = write_identities(tmp_path, admin, RUN, BUCKET)
     assert path == tmp_path / IDENTITIES_FILE
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    first = {role: role_credentials(tmp_path, role, RUN) for role in Role}
-    assert len({c.access_key_id for c in first.values()}) == len(Role)
+    first = {role: role_credentials(tmp_path, role, RUN) for role in WORKER_ROLES}
+    assert len({c.access_key_id for c in first.values()}) == len(WORKER_ROLES)
     assert admin.access_key_id not in {c.access_key_id for c in first.values()}
     assert first[Role.SAMPLER].secret_access_key.get_secret_value() not in repr(first[Role.SAMPLER])
 
     write_identities(tmp_path, admin, "r2", BUCKET)  # another run: both runs' roles, the first ones' keys kept
     write_identities(tmp_path, admin, None, BUCKET)  # a restart: nothing new
-    assert {role: role_credentials(tmp_path, role, RUN) for role in Role} == first
+    assert {role: role_credentials(tmp_path, role, RUN) for role in WORKER_ROLES} == first
     assert role_credentials(tmp_path, Role.SAMPLER, "r2") != first[Role.SAMPLER]
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     with pytest.raises(S3IdentityError, match="no S3 identity for role sampler of run r3"):
@@ -162,7 +164,7 @@ def _failed(attempts: list[Attempt]) -> list[Attempt]:
 
 
 def _allowed_by_role(attempts: list[Attempt]) -> dict[str, set[tuple[str, str]]]:
-    allowed: dict[str, set[tuple[str, str]]] = {role.value: set() for role in Role}
+    allowed: dict[str, set[tuple[str, str]]] = {role.value: set() for role in WORKER_ROLES}
     for a in attempts:
         if a.expected_allowed:
             allowed[a.role].add((a.operation, a.target))
@@ -172,7 +174,7 @@ def _allowed_by_role(attempts: list[Attempt]) -> dict[str, set[tuple[str, str]]]
 @pytest.mark.integration
 def test_every_role_is_refused_everything_but_its_grants(seaweed):
     admin, directory, _ = seaweed
-    creds = {role: role_credentials(directory, role, RUN) for role in Role}
+    creds = {role: role_credentials(directory, role, RUN) for role in WORKER_ROLES}
     attempts = s3_permission_matrix(admin, RUN, creds)
 
     assert _failed(attempts) == []
@@ -183,7 +185,7 @@ def test_every_role_is_refused_everything_but_its_grants(seaweed):
     assert counts["allowed_ok"] == counts["allowed_attempted"] > 0
     # Every role tried put, get, list and delete on 12 prefixes of its run and 12 of another run, and
     # the two admin operations (create a bucket, create an IAM user).
-    assert len(attempts) == len(Role) * (4 * 12 * 2 + 2)
+    assert len(attempts) == len(WORKER_ROLES) * (4 * 12 * 2 + 2)
     assert {a.outcome for a in attempts if a.operation == "delete"} == {"refused"}
     assert {a.outcome for a in attempts if a.target.startswith("other-run")} == {"refused"}
 
