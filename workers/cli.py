@@ -585,6 +585,8 @@ def _identity(command: str, settings: Any, reload: Callable[..., Any]) -> Any:
         from infra.join_token import JoinTokenError, decode, join_settings
 
         text = settings.join.get_secret_value()
+        if text.startswith("@"):  # a file: a token on the command line is visible to every user in `ps`
+            text = Path(text[1:]).expanduser().read_text()
         token = decode(text)
         if token.role != role:
             raise JoinTokenError(
