@@ -42,6 +42,9 @@ from infra.stack_settings import BucketName, StackSection, StackSettings, s3_set
 from infra.stack_state import StackStatus, read_state, stack_dir, state_file, write_state
 from pipeline.config import SettingsT, SprawlSettings
 from pipeline.errors import StackError
+from pipeline.logs import get_logger
+
+log = get_logger(__name__)
 
 __all__ = [
     "SEAWEED_SPAN",
@@ -128,6 +131,11 @@ def _start(settings: StackSettings) -> StackStatus:
                 "with the environment variable named",
             )
     directory.mkdir(parents=True, exist_ok=True)
+    if not section.secure:
+        log.warning(
+            "STACK WITHOUT TLS OR IDENTITIES: anyone who reaches its ports can publish versions and read the bucket",
+            setting="SPRAWL_STACK__SECURE",
+        )
     s3 = s3_settings(settings)
     started: list[ServerRecord] = []
     try:

@@ -209,6 +209,10 @@ def _print_stack(st) -> None:
     for name, url in st.endpoints().items():
         print(f"  {name:<13} {url}")
     print(f"  {'buckets':<13} {', '.join(st.buckets)}")
+    if st.secure:
+        print(f"  {'security':<13} TLS (CA {st.ca_file}), an identity per role; `sprawl token create` for islands")
+    else:
+        print(f"  {'security':<13} NONE: no TLS, no identities (stack.secure = false)")
     for server in st.servers:
         print(f"  {server.name:<13} pid {server.pid}, log {server.log_file}")
 
