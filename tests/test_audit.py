@@ -18,6 +18,7 @@ from pipeline.topology import STREAMS, TRAJECTORIES
 from schemas import DeadLetter, IslandHeartbeat, IslandIdentity, Reward
 from schemas.archive import parquet_glob
 from tests.chain_helpers import signed_trust
+from tests.servers import connection_env
 from tests.trainer_data import make_groups, publish_groups, write_initial_model
 from workers.archiver import ArchiverSettings, ArchiveSection, drain_once
 from workers.trainer.loop import Trainer
@@ -157,8 +158,7 @@ async def test_dead_letters_audit_of_a_run_without_any_returns_no_rows(event_log
     assert await drain_once(_archiver_settings(settings)) == 1
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("SPRAWL_")},
-        "SPRAWL_NATS__URL": settings.nats.url,
-        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+        **connection_env(settings, "auditor"),
     }
     result = subprocess.run(
         [sys.executable, "-m", "workers.cli", "audit", "dead-letters", "--json", "--run", settings.run_id],
@@ -195,8 +195,7 @@ async def test_dead_letters_keep_their_fields_and_the_audit_prints_the_refused_b
 
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("SPRAWL_")},
-        "SPRAWL_NATS__URL": settings.nats.url,
-        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+        **connection_env(settings, "auditor"),
     }
     command = [sys.executable, "-m", "workers.cli", "audit", "dead-letters", "--run", settings.run_id]
     as_json = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=120, env=env)

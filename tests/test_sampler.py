@@ -14,9 +14,10 @@ from pipeline.blobstore import S3BlobStore
 from pipeline.config import MaterializeSettings
 from pipeline.replay import replay
 from pipeline.sampling import process_logits
+from pipeline.version_signing import public_key_text
 from schemas import PromptGroup, SamplingParams, Trajectory
-from tests.chain_helpers import TEST_TRUST, publisher
-from tests.servers import HANG_GUARD_S
+from tests.chain_helpers import TEST_SIGNING_KEY, TEST_TRUST, publisher
+from tests.servers import HANG_GUARD_S, connection_env
 from tests.tiny_models import adam_like_step, tiny_moe
 from workers.sampler.engines.reference import ReferenceEngine
 from workers.sampler.island import Island, IslandSection
@@ -182,11 +183,11 @@ async def test_sigkill_mid_group_is_finished_by_another_island(event_log, settin
     env = {
         **os.environ,
         "SPRAWL_RUN_ID": settings.run_id,
-        "SPRAWL_NATS__URL": settings.nats.url,
-        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+        **connection_env(settings, "sampler"),
         "SPRAWL_LOG_FORMAT": "json",
         "SPRAWL_ISLAND__ISLAND_ID": "doomed",
         "SPRAWL_ISLAND__MATERIALIZE__CACHE_DIR": str(tmp_path / "doomed"),
+        "SPRAWL_TRUST__VERSION_PUBLIC_KEY": public_key_text(TEST_SIGNING_KEY),
     }
     long = SamplingParams(temperature=1.0, max_new_tokens=3000)
     await event_log.append(_group(settings, "victim", long, n=2))

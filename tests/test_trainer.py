@@ -17,7 +17,7 @@ from pipeline.replay import replay
 from pipeline.version_log import fetch_version
 from schemas import PolicyVersion, TrainerMetrics
 from tests.chain_helpers import signed_trust
-from tests.servers import HANG_GUARD_S, new_run_id
+from tests.servers import HANG_GUARD_S, connection_env, new_run_id
 from tests.trainer_data import make_groups, publish_groups, write_initial_model
 from workers.trainer.loop import Trainer
 from workers.trainer.settings import TrainerSection, TrainerSettings
@@ -99,8 +99,7 @@ def _env(settings, run_id, model_dir, checkpoint_every, max_versions) -> dict:
     return {
         **os.environ,
         "SPRAWL_RUN_ID": run_id,
-        "SPRAWL_NATS__URL": settings.nats.url,
-        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+        **connection_env(settings, "admin"),  # its runs are its own: role credentials are scoped to the session run
         "SPRAWL_LOG_FORMAT": "json",
         "SPRAWL_TRAINER__MODEL_DIR": str(model_dir),
         "SPRAWL_TRAINER__GROUPS_PER_BATCH": "2",
@@ -108,6 +107,7 @@ def _env(settings, run_id, model_dir, checkpoint_every, max_versions) -> dict:
         "SPRAWL_TRAINER__CHECKPOINT_EVERY": str(checkpoint_every),
         "SPRAWL_TRAINER__MAX_VERSIONS": str(max_versions),
         "SPRAWL_CHAIN__VIEWS": '["bf16", "fp8_e4m3"]',
+        "SPRAWL_TRUST__SIGNING_KEY_FILE": str(signed_trust().signing_key_file),
     }
 
 

@@ -292,6 +292,7 @@ async def _assert_refused_and_serving(island: Island, chain: _Chain, *, refused:
     for _ in range(3):
         assert await island.advance(refused) == serving
     assert island.refused_versions == 1
+    await _until(island, lambda: not island.materializer.refusals.unreported(), "the refusal dead-lettered")
     letters = await _dead_letters(island.log, chain.settings.run_id)
     assert len(letters) == 1
     (letter,) = letters
@@ -320,7 +321,12 @@ async def test_a_patch_rewritten_in_the_bucket_is_refused_and_shown_by_the_audit
         # A second island refusing the same version counts it too, and finds the dead letter there.
         second = await _island(event_log, settings, tmp_path / "second", "tamper-blob-2")
         try:
-            await _until(second, lambda: second.refused_versions == 1 and second.version == 2, "second refuses v3")
+            await _until(
+                second,
+                lambda: second.refused_versions == 1 and not second.materializer.refusals.unreported(),
+                "the second island refuses v3 and reports it",
+            )
+            assert second.version == 2
             assert len(await _dead_letters(event_log, settings.run_id)) == 1
         finally:
             await second.stop()

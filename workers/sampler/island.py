@@ -200,6 +200,8 @@ class Island:
         self.capabilities: Capabilities | None = None
         self.state = "starting"
         self._commit_lock = asyncio.Lock()
+        self._report_failures = 0
+        self._report_retry_at = 0.0
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.follower: asyncio.Task | None = None
@@ -290,49 +292,58 @@ class Island:
         """Serve `head` or, when no route to it works now, the newest version newer than the one served
         that can be built and verified (`blocked` says which and why). Returns the version served."""
         async with self._commit_lock:
-            current = self.version
-            if current is not None and current >= head:
-                self._unblock(current)
-                return current
-            self.state = "catching_up" if current is not None else "starting"
-            try:
-                got = await self.materializer.materialize_newest(head, above=current)
-            except VersionUnbuildable as exc:
-                self._block(head, exc.message, exc.retry_in_s)
-                await self._report_refusals()
-                return current
-            except BaseException:
-                self._settle_state()
-                raise
-            await self._report_refusals()
-            await self._load(got)
-            if got.version < head:
-                failures = self.materializer.failures
-                reasons = failures.reasons(got.version + 1, head)
-                self._block(head, "; ".join(reasons) or "no route", failures.retry_in_s(got.version + 1, head))
-            else:
-                self._unblock(got.version)
-            return got.version
+            served = await self._advance_locked(head)
+        await self._report_refusals()  # outside the lock: a slow log must not hold up a commit
+        return served
+
+    async def _advance_locked(self, head: int) -> int | None:
+        current = self.version
+        if current is not None and current >= head:
+            self._unblock(current)
+            return current
+        self.state = "catching_up" if current is not None else "starting"
+        try:
+            got = await self.materializer.materialize_newest(head, above=current)
+        except VersionUnbuildable as exc:
+            self._block(head, exc.message, exc.retry_in_s)
+            return current
+        except BaseException:
+            self._settle_state()
+            raise
+        await self._load(got)
+        if got.version < head:
+            failures = self.materializer.failures
+            reasons = self.materializer.refusals.reasons(got.version + 1, head) + failures.reasons(
+                got.version + 1, head
+            )
+            self._block(head, "; ".join(reasons) or "no route", failures.retry_in_s(got.version + 1, head))
+        else:
+            self._unblock(got.version)
+        return got.version
 
     async def commit(self, version: int) -> int:
         """Materialize exactly `version` (waiting for it to reach the log) and commit it to the engine."""
-        async with self._commit_lock:
-            if self.version is not None and self.version >= version:
-                return self.version
-            self.state = "catching_up" if self.version is not None else "starting"
-            try:
-                try:
-                    got = await self.materializer.materialize(version)
-                except VersionUnbuildable:
-                    await self._report_refusals()
-                    raise
-                await self._report_refusals()
-                await self._load(got)
-            finally:
-                self._settle_state()
-            if self.blocked is not None and version >= self.blocked.head:
-                self._unblock(version)
-            return version
+        try:
+            async with self._commit_lock:
+                committed = await self._commit_locked(version)
+        except VersionUnbuildable:
+            await self._report_refusals()  # a refused version is reported whoever asked for it
+            raise
+        await self._report_refusals()
+        return committed
+
+    async def _commit_locked(self, version: int) -> int:
+        if self.version is not None and self.version >= version:
+            return self.version
+        self.state = "catching_up" if self.version is not None else "starting"
+        try:
+            got = await self.materializer.materialize(version)
+            await self._load(got)
+        finally:
+            self._settle_state()
+        if self.blocked is not None and version >= self.blocked.head:
+            self._unblock(version)
+        return version
 
     async def _load(self, got: Materialized) -> None:
         pause = await self.engine.load_weights(got.path, got.version, self._changed_since(self.version, got.version))
@@ -347,8 +358,11 @@ class Island:
         )
 
     async def _report_refusals(self) -> None:
-        """Dead-letter each refusal not yet reported. A log that does not take it now is retried on the
-        next round: the refusal stays counted and logged meanwhile, and serving goes on either way."""
+        """Dead-letter each refusal not yet reported. A log that does not take one now is tried again
+        after a backoff (not on every wake-up): the refusal stays counted and logged meanwhile, and
+        serving goes on either way."""
+        if time.monotonic() < self._report_retry_at:
+            return
         for refusal in self.materializer.refusals.unreported():
             try:
                 await dead_letter_refused_version(
@@ -362,8 +376,17 @@ class Island:
                 )
             except (SprawlError, nats.errors.Error, OSError) as exc:
                 raise_if_cancelled()
-                log.warning("refusal not dead-lettered yet; will retry", version=refusal.version, error=repr(exc))
+                self._report_failures += 1
+                delay = self.backoff.delay(self._report_failures, random.Random())
+                self._report_retry_at = time.monotonic() + delay
+                log.warning(
+                    "refusal not dead-lettered yet; will retry",
+                    version=refusal.version,
+                    error=repr(exc),
+                    retry_in_s=round(delay, 3),
+                )
                 return
+            self._report_failures = 0
             self.materializer.refusals.reported(refusal)
 
     def _block(self, head: int, reason: str, retry_in_s: float | None) -> None:
