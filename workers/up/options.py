@@ -1,7 +1,7 @@
 """What `sprawl up` runs, as two models (no torch here: `sprawl up` checks them before anything loads).
 
-- `UpOptions`: how this invocation runs (`--quick`, `--islands`, `--views`, `--correction`,
-  `--fresh`, `--versions`, `--json`, `--no-live`): flags only.
+- `UpOptions`: how this invocation runs (`--quick`, `--islands`, `--no-local-islands`, `--views`,
+  `--correction`, `--fresh`, `--versions`, `--json`, `--no-live`): flags only.
 - `UpSettings`: the run's configuration, from flags, `SPRAWL_...` variables and `--config FILE` like
   every worker's: the stack's settings plus the trainer's and chain's sections (with the demo's
   tuned defaults), the demo task and the prompt driver. `up` derives each worker's settings from it
@@ -103,6 +103,10 @@ class UpOptions(CommandOptions):
     """A shorter run: 30 updates instead of 500 (when --versions is not given)."""
     islands: int = Field(2, ge=1)
     """Sampler islands, given the views in turn."""
+    local_islands: bool = True
+    """Start the islands here, beside the trainer. --no-local-islands runs the cluster side only (stack,
+    trainer, rewards, archiver, prompt driver): islands join from other machines or networks with
+    `sprawl token create --role sampler` and `sprawl sampler --join TOKEN`, and the run waits for them."""
     views: list[str] | None = None
     """Served views, one per island in turn: bf16, fp8 (fp8_e4m3); default: chain.views."""
     correction: str | None = None
@@ -156,7 +160,10 @@ def run_settings(options: UpOptions, settings: UpSettings) -> UpSettings:
 
 
 def island_views(options: UpOptions, settings: UpSettings) -> list[str]:
-    """The view of each island: the given views (else the published ones) in turn."""
+    """The view of each island `up` starts here: the given views (else the published ones) in turn;
+    none with --no-local-islands (islands that join with tokens choose their own view)."""
+    if not options.local_islands:
+        return []
     views = options.views or settings.chain.views
     return [views[i % len(views)] for i in range(options.islands)]
 

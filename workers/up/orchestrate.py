@@ -97,7 +97,7 @@ def run_trust(settings: SprawlSettings) -> RunTrust:
 
 def worker_plans(settings: UpSettings, options: UpOptions, *, model_dir: Path, max_version: int) -> list[WorkerPlan]:
     """Every worker's settings, derived from the run's: the shared sections as they are, the trainer's
-    and chain's from `settings`, one island per view in turn. Values `up` does not set come from the
+    and chain's from `settings`, one island per view in turn (none with --no-local-islands). Values `up` does not set come from the
     worker's defaults and the `SPRAWL_...` environment `up` was started with."""
     from infra import stack
     from pipeline.config import load_settings
@@ -346,11 +346,12 @@ async def _run_connected(
     head = await signals.until_stopped(chain_head(event_log, settings.run_id), progress.phase)
     start_version = head.version if head is not None else 0
     target = start_version + options.target_versions
+    views = island_views(options, settings)
+    fleet = f"{len(views)} islands: {', '.join(views)}" if views else "no local islands: islands join with tokens"
     out.print(
         f"run {settings.run_id}: "
         + (f"continuing from v{start_version}" if continuing and head is not None else "new run")
-        + f", training to v{target} ({options.islands} islands: {', '.join(island_views(options, settings))};"
-        f" correction {correction_of(settings)})"
+        + f", training to v{target} ({fleet}; correction {correction_of(settings)})"
     )
     return await _train(options, settings, run_dir, out, t0, signals, progress, event_log, model_dir, head, target)
 
