@@ -138,7 +138,8 @@ class Refusals:
 
     def reported(self, refusal: Refusal) -> None:
         with self._lock:
-            self._unreported.remove(refusal)
+            if refusal in self._unreported:  # two reporters may have raced to the same dead letter
+                self._unreported.remove(refusal)
 
     def reasons(self, lowest: int, highest: int) -> list[str]:
         with self._lock:

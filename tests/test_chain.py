@@ -16,6 +16,7 @@ from pipeline.materialize import MaterializeError, VersionUnbuildable, verify_di
 from pipeline.route_failures import Backoff, RouteFailures
 from pipeline.version_log import VersionNotAvailable
 from tests.chain_helpers import corrupt_object, expected_root, materializer, publisher, republish_object
+from tests.servers import connection_env
 from tests.tiny_models import adam_like_step, tiny_moe
 
 pytestmark = pytest.mark.integration
@@ -223,8 +224,7 @@ async def test_two_processes_materializing_into_one_cache(event_log, settings, t
     _, _, roots, _ = await _publish_chain(event_log, settings, 5, keyframe_every=10)
     env = {
         "SPRAWL_RUN_ID": settings.run_id,
-        "SPRAWL_NATS__URL": settings.nats.url,
-        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+        **connection_env(settings, "sampler"),
     }
     cmd = [sys.executable, "-m", "tests.materialize_proc", str(tmp_path / "shared"), "4"]
     import os

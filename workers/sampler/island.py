@@ -202,6 +202,7 @@ class Island:
         self._commit_lock = asyncio.Lock()
         self._report_failures = 0
         self._report_retry_at = 0.0
+        self._reporting = asyncio.Lock()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.follower: asyncio.Task | None = None
@@ -361,8 +362,12 @@ class Island:
         """Dead-letter each refusal not yet reported. A log that does not take one now is tried again
         after a backoff (not on every wake-up): the refusal stays counted and logged meanwhile, and
         serving goes on either way."""
-        if time.monotonic() < self._report_retry_at:
-            return
+        if time.monotonic() < self._report_retry_at or self._reporting.locked():
+            return  # another caller (the follower, a request catching up) is reporting them now
+        async with self._reporting:
+            await self._report_unreported()
+
+    async def _report_unreported(self) -> None:
         for refusal in self.materializer.refusals.unreported():
             try:
                 await dead_letter_refused_version(
