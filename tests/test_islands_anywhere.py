@@ -13,8 +13,8 @@ The log itself is reachable only from inside the hub, so the version events are 
 run as a helper process (`python -m tests.test_islands_anywhere STATE_DIR VERSION...`, admin credentials of
 the hub's stack), and checked here.
 
-Needs root (namespaces); skips with the reason elsewhere. The three-island run is `slow`; the default
-suite runs one island for a few versions, still through a token and a shaped link.
+Needs root (namespaces); skips with the reason elsewhere. About a minute on two cores (seven small versions:
+the demo task at its smallest), so it runs in the default suite.
 """
 
 from __future__ import annotations
@@ -258,8 +258,10 @@ def check_revoked(lab: NetworkLab, hub: Hub, joined: JoinedIsland) -> None:
     assert line.split()[-1] == "revoked", line
 
     def cut_off() -> bool:
+        """The process exited, or its log says the server closed its connection (nats-py does not reconnect
+        a client the server refuses: every later call fails with ConnectionClosedError)."""
         after = joined.log_file.read_text().splitlines()[seen:]
-        return joined.process.poll() is not None or any('"nats client error"' in record for record in after)
+        return joined.process.poll() is not None or any("ConnectionClosedError" in record for record in after)
 
     _wait_for(cut_off, f"{joined.island.name}'s connection to close after its token was revoked")
     again = subprocess.run(
@@ -284,23 +286,6 @@ def stop_hub(hub: Hub) -> None:
     stack.down(StackSettings(state_dir=hub.state_dir))
 
 
-def test_an_island_joins_the_hub_with_a_token_over_a_shaped_link(lab: NetworkLab, tmp_path: Path) -> None:
-    """The default suite's crossing: one bf16 island in its own namespace, a token, a few versions."""
-    versions = 2
-    island = lab.add_island("bf16", LINK_MBIT)
-    hub = start_hub(lab, tmp_path, versions)
-    try:
-        joined = join(lab, hub, island, "bf16", tmp_path)
-        summary = hub.summary()
-        assert summary["versions"] == versions and summary["dead_letters"] == 0 and summary["interrupted"] is False
-        assert summary["rewards"] > 0  # the island's trajectories crossed the link and were rewarded
-        check_served_versions(hub, [joined], versions)
-        check_revoked(lab, hub, joined)
-    finally:
-        stop_hub(hub)
-
-
-@pytest.mark.slow
 def test_a_mixed_fleet_joins_from_three_networks_and_a_late_island_starts_from_a_keyframe(
     lab: NetworkLab, tmp_path: Path
 ) -> None:
