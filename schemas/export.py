@@ -9,14 +9,18 @@ import msgspec
 
 from schemas.archive import ArchiveKey
 from schemas.events import CURRENT_EVENTS
+from schemas.join_token import JoinToken
 from schemas.lineage import Lineage
 from schemas.upcasters import LEGACY_EVENTS
+from schemas.version_manifest import VersionManifest
 
 JSON_DIR = Path(__file__).parent / "json"
 
 LAYOUTS: dict[str, type[msgspec.Struct]] = {
     "lineage.v1": Lineage,
     "archive_key.v1": ArchiveKey,
+    "version_manifest.v1": VersionManifest,
+    "join_token.v1": JoinToken,
 }
 """Layouts that cross processes without being events (blobs, object keys), by file name. Named like
 event types so a breaking change gets a new `.vN` beside the old one."""

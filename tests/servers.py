@@ -160,3 +160,20 @@ def server_stopped(settings: StackSettings, name: str):
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def connection_env(settings: StackSettings, role: str = "admin") -> dict[str, str]:
+    """`SPRAWL_...` variables that connect a worker process to the stack `settings` points at, as `role`
+    (its own credentials on a secure stack: TLS pinned to the stack's CA, the role's NATS and S3 identity)."""
+    own = stack.with_role(settings, role)
+    nats, blobs = own.nats, own.blobs
+    env = {"SPRAWL_NATS__URL": nats.url, "SPRAWL_BLOBS__ENDPOINT_URL": blobs.endpoint_url or ""}
+    if nats.creds_file is not None:
+        env |= {"SPRAWL_NATS__CREDS_FILE": str(nats.creds_file), "SPRAWL_NATS__INBOX_PREFIX": nats.inbox_prefix}
+    if nats.tls_ca_file is not None:
+        env["SPRAWL_NATS__TLS_CA_FILE"] = str(nats.tls_ca_file)
+    if blobs.ca_file is not None:
+        env["SPRAWL_BLOBS__CA_FILE"] = str(blobs.ca_file)
+    env["SPRAWL_BLOBS__ACCESS_KEY_ID"] = blobs.access_key_id
+    env["SPRAWL_BLOBS__SECRET_ACCESS_KEY"] = blobs.secret_access_key.get_secret_value()
+    return env

@@ -37,7 +37,7 @@ from schemas import ClaimCheck, IslandHeartbeat, IslandIdentity, Reward
 from schemas.archive import ROW_COLUMNS, UNDECODABLE, ArchiveKey, parquet_glob, run_prefix
 from schemas.codec import encode_event
 from schemas.events import CURRENT_EVENTS
-from tests.servers import HANG_GUARD_S, new_run_id, server_stopped
+from tests.servers import HANG_GUARD_S, connection_env, new_run_id, server_stopped
 from workers.archiver import Archiver, ArchiverSettings, ArchiveSection, drain_once
 from workers.archiver.progress import ArchivedSeqs
 from workers.archiver.rows import archive_files
@@ -138,8 +138,7 @@ def _env(settings, run_id: str, **archive) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPRAWL_")}
     env |= {
         "SPRAWL_RUN_ID": run_id,
-        "SPRAWL_NATS__URL": settings.nats.url,
-        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+        **connection_env(settings, "archiver"),
         "SPRAWL_LOG_LEVEL": "INFO",
     }
     env |= {f"SPRAWL_ARCHIVE__{k.upper()}": str(v) for k, v in archive.items()}
@@ -346,7 +345,7 @@ async def test_a_fatal_error_ends_the_archiver_process_with_one_line(event_log, 
     assert proc.returncode not in (0, None)
     errors = [line for line in stderr.decode().splitlines() if line.startswith("sprawl: error:")]
     assert len(errors) == 1, stderr.decode()
-    wanted = {"consumer_deleted": f"{run}-archiver-metrics", "credentials_refused": "S3 refused access"}[fault]
+    wanted = {"consumer_deleted": f"{run}-archiver-metrics", "credentials_refused": "S3 refused ListObjectsV2"}[fault]
     assert wanted in errors[0]
 
 

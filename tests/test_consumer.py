@@ -16,7 +16,7 @@ from pipeline.errors import BlobStoreUnavailable, ConsumerNotDeclared, PoisonEve
 from pipeline.topology import ConsumerRole, consumer_for
 from tests.consuming import dead_letters, run_until
 from tests.events import reward, trajectory
-from tests.servers import HANG_GUARD_S
+from tests.servers import HANG_GUARD_S, connection_env
 
 pytestmark = pytest.mark.integration
 
@@ -237,8 +237,7 @@ async def test_a_killed_workers_message_returns_after_the_default_ack_wait(event
     env = {
         **os.environ,
         "SPRAWL_RUN_ID": settings.run_id,
-        "SPRAWL_NATS__URL": settings.nats.url,
-        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+        **connection_env(settings, "admin"),
     }
     cmd = [sys.executable, "-m", "tests.ledger_consumer", "--workdir", str(tmp_path)]
     victim = subprocess.Popen([*cmd, "--hang-on", "k1"], env=env)

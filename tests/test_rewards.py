@@ -14,6 +14,7 @@ from pipeline.replay import replay, tail
 from pipeline.sandbox import SandboxSettings
 from schemas import IslandIdentity, PromptGroup, Reward, Trajectory, VersionSpan, encode_event
 from tests.consuming import dead_letters
+from tests.servers import connection_env
 from workers.rewards.verifiers.hidden_tests import HiddenCase, hidden_tests_json
 from workers.rewards.worker import RewardSettings, RewardWorker, open_verifier_sandbox
 
@@ -129,8 +130,7 @@ def _worker_env(settings, tmp_path, **extra: str) -> dict[str, str]:
         "PATH": str(no_bwrap),
         "SPRAWL_RUN_ID": settings.run_id,
         "SPRAWL_STATE_DIR": str(tmp_path / "state"),
-        "SPRAWL_NATS__URL": settings.nats.url,
-        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+        **connection_env(settings, "rewards"),
         "SPRAWL_LOG_FORMAT": "json",
         **extra,
     }

@@ -27,8 +27,9 @@ from pipeline.replay import Follower, replay
 from pipeline.topology import DEADLETTER, METRICS, PROMPTS, REWARDS, TRAINER, TRAJECTORIES, follower_name
 from pipeline.version_log import fetch_version
 from schemas import PromptGroup, TrainerMetrics
+from tests.chain_helpers import signed_trust
 from tests.events import trajectory
-from tests.servers import HANG_GUARD_S, restartable_stack
+from tests.servers import HANG_GUARD_S, connection_env, restartable_stack
 from tests.test_stalled_log import nats_stalled
 from tests.trainer_data import GROUP_SIZE, make_groups, write_initial_model
 from workers.rewards.worker import RewardSettings, RewardWorker
@@ -159,7 +160,9 @@ async def test_trainer_and_reward_worker_resume_after_a_restart_and_a_60s_outage
     section = TrainerSection(
         model_dir=model_dir, groups_per_batch=1, trainer_id="t-outage", max_versions=6, lease_ttl_s=600
     )
-    trainer = Trainer(TrainerSettings(**shared, trainer=section), event_log, S3BlobStore(settings.blobs))
+    trainer = Trainer(
+        TrainerSettings(**shared, trainer=section, trust=signed_trust()), event_log, S3BlobStore(settings.blobs)
+    )
     worker_stop, trainer_stop = asyncio.Event(), asyncio.Event()
     rewarding = asyncio.create_task(worker.run(worker_stop))
     training = asyncio.create_task(trainer.run(trainer_stop))
@@ -240,11 +243,11 @@ def _trainer_env(settings, model_dir, trainer_id: str) -> dict[str, str]:
     return {
         **{k: v for k, v in os.environ.items() if not k.startswith("SPRAWL_")},
         "SPRAWL_RUN_ID": settings.run_id,
-        "SPRAWL_NATS__URL": settings.nats.url,
-        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+        **connection_env(settings, "trainer"),
         "SPRAWL_LOG_FORMAT": "json",
         "SPRAWL_TRAINER__MODEL_DIR": str(model_dir),
         "SPRAWL_TRAINER__TRAINER_ID": trainer_id,
+        "SPRAWL_TRUST__SIGNING_KEY_FILE": str(signed_trust().signing_key_file),
     }
 
 
@@ -290,7 +293,9 @@ async def test_a_lease_that_cannot_be_renewed_stops_the_trainer_before_it_expire
     trainer lived on."""
     section = TrainerSection(model_dir=model_dir, groups_per_batch=1, trainer_id="t-lease", lease_ttl_s=20)
     shared = settings.model_dump(include={"run_id", "nats", "blobs", "log", "streams"})
-    trainer = Trainer(TrainerSettings(**shared, trainer=section), event_log, S3BlobStore(settings.blobs))
+    trainer = Trainer(
+        TrainerSettings(**shared, trainer=section, trust=signed_trust()), event_log, S3BlobStore(settings.blobs)
+    )
     training = asyncio.create_task(trainer.run(asyncio.Event()))
 
     async def serving() -> bool:

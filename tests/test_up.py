@@ -25,7 +25,8 @@ from infra import stack
 from pipeline.eventlog import EventLog
 from pipeline.materialize import verify_directory
 from pipeline.version_log import fetch_version
-from tests.servers import new_run_id, stack_settings
+from pipeline.version_signing import island_trust
+from tests.servers import connection_env, new_run_id, stack_settings
 
 
 def _env(settings) -> dict[str, str]:
@@ -36,8 +37,7 @@ def _env(settings) -> dict[str, str]:
         "SPRAWL_STACK__NATS_MONITOR_PORT": str(section.nats_monitor_port),
         "SPRAWL_STACK__S3_PORT": str(section.s3_port),
         "SPRAWL_STACK__SEAWEED_PORT_BASE": str(section.seaweed_port_base),
-        "SPRAWL_NATS__URL": settings.nats.url,
-        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+        **connection_env(settings, "admin"),
     }
 
 
@@ -270,7 +270,11 @@ async def test_up_in_process_trains_a_mixed_fleet_for_a_few_versions(event_log, 
     stop = asyncio.Event()
     trainer = asyncio.create_task(Trainer(loaded["trainer"], event_log, blobs).run(stop))
     fleet = [
-        asyncio.create_task(SamplerWorker(s, event_log, build_island(event_log, s.blobs, s.run_id, s.island)).run(stop))
+        asyncio.create_task(
+            SamplerWorker(
+                s, event_log, build_island(event_log, s.blobs, s.run_id, s.island, island_trust(s.trust))
+            ).run(stop)
+        )
         for name, s in loaded.items()
         if name.startswith("sampler-")
     ]
