@@ -11,6 +11,10 @@ Everything here is on one machine, so downloads run at loopback speed and local 
 verifying and writing the version, loading it into the engine) dominates both paths. The same
 runs are repeated with each island's downloads capped at 1 Gbit/s (`blobs.max_download_mbps`),
 a cross-region link, where bytes on the wire dominate as they do in production.
+
+Versions are signed and islands pin the key, as in a real run; on the (secure) private stack each island
+connects with the sampler's own identity. `--wan` replaces the download cap with real links: islands in
+network namespaces of their own behind tbf-shaped links, joined by tokens (`workers/bench/wan_bench.py`).
 """
 
 from __future__ import annotations
@@ -32,11 +36,14 @@ from pipeline.chain_publish import ChainPublisher
 from pipeline.config import ChainSettings
 from pipeline.eventlog import EventLog
 from pipeline.logs import configure_logging
+from pipeline.version_signing import generate_signing_key, public_key_text
 from workers.bench.delta_bench import moe_config
 from workers.bench.private_stack import private_stack
 
 
-class _IslandProcess:
+class IslandProcess:
+    """An `island_proc` child: its commits by version, as it reports them on stdout."""
+
     def __init__(self, proc: asyncio.subprocess.Process):
         self.proc = proc
         self.commits: dict[int, dict] = {}
@@ -63,14 +70,33 @@ class _IslandProcess:
         self.reader.cancel()
 
 
+def moe_state(quick: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The benchmark's Qwen3-MoE: its config and a detached copy of its weights (seed 0)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(moe_config(quick))
+    return model.config.to_dict(), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def adam_sized_step(state: dict[str, torch.Tensor], generator: torch.Generator) -> None:
+    """Every weight moved by ±1e-6 (Adam's per-weight step at lr 1e-6): most served bits stay the same."""
+    with torch.no_grad():
+        for tensor in state.values():
+            tensor.add_(torch.randn(tensor.shape, generator=generator).sign() * 1e-6)
+
+
 async def _start_islands(
-    settings, run_id: str, count: int, cache_root: Path, link_mbps: float | None
-) -> list[_IslandProcess]:
+    settings, run_id: str, count: int, cache_root: Path, link_mbps: float | None, public_key: str
+) -> list[IslandProcess]:
     islands = []
     for i in range(count):
         env = {
             **os.environ,
             "SPRAWL_RUN_ID": run_id,
+            # The island takes the sampler's identity on the private stack, and pins the bench's version key.
+            "SPRAWL_STATE_DIR": str(settings.state_dir),
+            "SPRAWL_TRUST__VERSION_PUBLIC_KEY": public_key,
             "SPRAWL_NATS__URL": settings.nats.url,
             "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
             "SPRAWL_ISLAND__ISLAND_ID": f"{run_id}-{i}",
@@ -88,13 +114,13 @@ async def _start_islands(
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
         )
-        islands.append(_IslandProcess(proc))
+        islands.append(IslandProcess(proc))
     for island in islands:
         await asyncio.wait_for(island.ready.wait(), 120)
     return islands
 
 
-async def _wait_all(islands: list[_IslandProcess], version: int, timeout_s: float = 300) -> None:
+async def wait_all(islands: list[IslandProcess], version: int, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while not all(version in i.commits for i in islands):
         if time.monotonic() > deadline:
@@ -107,34 +133,30 @@ async def _wait_all(islands: list[_IslandProcess], version: int, timeout_s: floa
 async def _one_run(
     settings, event_log, path: str, count: int, versions: int, quick: bool, tmp: Path, link_mbps: float | None
 ) -> dict:
-    from transformers import Qwen3MoeForCausalLM
-
     run_id = f"sync-{path}-{count}-{'wan' if link_mbps else 'lo'}"
     await apply(event_log.js, settings.streams, run_id)
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(moe_config(quick))
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model_config, state = moe_state(quick)
+    key = generate_signing_key()
     publisher = ChainPublisher(
         event_log,
         open_blob_store(settings.blobs),
         run_id=run_id,
-        model_config=model.config.to_dict(),
+        model_config=model_config,
         settings=ChainSettings(views=["bf16"], keyframe_every=1 if path == "keyframe" else 1_000_000),
+        signing_key=key,
     )
     event0 = await publisher.publish(0, state)
-    islands = await _start_islands(settings, run_id, count, tmp / run_id, link_mbps)
+    islands = await _start_islands(settings, run_id, count, tmp / run_id, link_mbps, public_key_text(key))
     latencies, pauses, verified = [], [], True
     try:
-        await _wait_all(islands, 0)
+        await wait_all(islands, 0)
         gen = torch.Generator().manual_seed(1)
         verified &= all(i.commits[0]["root_hash"] == event0.views[0].root_hash for i in islands)
         for version in range(1, versions + 1):
-            with torch.no_grad():
-                for tensor in state.values():
-                    tensor.add_(torch.randn(tensor.shape, generator=gen).sign() * 1e-6)
+            adam_sized_step(state, gen)
             event = await publisher.publish(version, state)
             appended = time.time()
-            await _wait_all(islands, version)
+            await wait_all(islands, version)
             for island in islands:
                 record = island.commits[version]
                 latencies.append(record["committed_at"] - appended)
@@ -213,7 +235,11 @@ WAN_LINK_MBPS = 1000.0
 """The modelled cross-region link: 1 Gbit/s per island, a common inter-region budget per node."""
 
 
-def bench_sync(quick: bool) -> tuple[list[dict], dict]:
+def bench_sync(quick: bool, wan: bool = False) -> tuple[list[dict], dict]:
+    if wan:
+        from workers.bench.wan_bench import bench_sync_wan
+
+        return bench_sync_wan(quick)
     configure_logging("bench", fmt="json", level="WARNING")
     with private_stack("sync") as settings:
         return asyncio.run(_measure(settings, quick, WAN_LINK_MBPS))
