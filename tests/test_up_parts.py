@@ -85,6 +85,14 @@ def test_each_worker_gets_a_private_settings_file_it_validates(clean_env, monkey
     assert raw["trainer"]["loss"]["importance"] == "tis" and raw["run_id"] == "r1"
 
 
+def test_no_local_islands_runs_the_cluster_side_only(clean_env, tmp_path):
+    """`--no-local-islands`: islands join with tokens from elsewhere; `up` starts none of its own."""
+    options = UpOptions(local_islands=False, views="bf16,fp8")
+    assert island_views(options, UpSettings()) == []
+    plans = worker_plans(UpSettings(state_dir=tmp_path), options, model_dir=tmp_path, max_version=1)
+    assert [p.name for p in plans] == ["trainer", "rewards", "archiver"]
+
+
 def test_a_typo_in_a_workers_settings_file_stops_it_at_start(clean_env, tmp_path):
     from workers.trainer.settings import TrainerSettings
 
