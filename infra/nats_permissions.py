@@ -58,11 +58,18 @@ _BINDS = {ConsumerRole.SAMPLERS: Role.SAMPLER, ConsumerRole.REWARDS: Role.REWARD
 def _others_durables(role: Role, run: str) -> list[str]:
     """A role may read a stream without touching the cursors other roles share on it: pulling from the
     archiver's consumer and acking would take messages out of the archive, deleting the samplers' would
-    stop the run."""
+    stop the run, re-creating one with another filter would blind whoever binds it."""
     denied = []
     for consumer in consumers_of_run(run):
         s, name = consumer.stream.name, consumer.name
-        denied.append(f"$JS.API.CONSUMER.DELETE.{s}.{name}")
+        # Declared by the admin (`sprawl infra apply`) and bound by workers, never created by them: a
+        # "create" of an existing name is an update (another filter, a later start), so it is denied too.
+        denied += [
+            f"$JS.API.CONSUMER.DELETE.{s}.{name}",
+            f"$JS.API.CONSUMER.CREATE.{s}.{name}",
+            f"$JS.API.CONSUMER.CREATE.{s}.{name}.>",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{s}.{name}",
+        ]
         if _BINDS[consumer.role] is not role:
             denied += [f"$JS.API.CONSUMER.MSG.NEXT.{s}.{name}", f"$JS.ACK.{s}.{name}.>"]
     return denied

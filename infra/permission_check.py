@@ -68,7 +68,12 @@ def _forbidden_publishes(role: Role, run: str) -> list[str]:
     binds = {"samplers": Role.SAMPLER, "rewards": Role.REWARDS, "archiver": Role.ARCHIVER}
     for consumer in consumers_of_run(run):
         s, name = consumer.stream.name, consumer.name
-        subjects.append(f"$JS.API.CONSUMER.DELETE.{s}.{name}")
+        subjects += [
+            f"$JS.API.CONSUMER.DELETE.{s}.{name}",
+            f"$JS.API.CONSUMER.CREATE.{s}.{name}",
+            f"$JS.API.CONSUMER.CREATE.{s}.{name}.rl.{run}.>",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{s}.{name}",
+        ]
         if binds[consumer.role.value] is not role:
             subjects += [f"$JS.API.CONSUMER.MSG.NEXT.{s}.{name}", f"$JS.ACK.{s}.{name}.1.1.1.1.1"]
     subjects += ["$JS.API.ACCOUNT.PURGE.check", "$SYS.REQ.SERVER.PING", "$JS.API.META.LEADER.STEPDOWN"]

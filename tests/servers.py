@@ -162,10 +162,11 @@ def server_stopped(settings: StackSettings, name: str):
         os.kill(pid, signal.SIGCONT)
 
 
-def connection_env(settings: StackSettings, role: str = "admin") -> dict[str, str]:
+def connection_env(settings: StackSettings, role: str = "admin", run_id: str | None = None) -> dict[str, str]:
     """`SPRAWL_...` variables that connect a worker process to the stack `settings` points at, as `role`
-    (its own credentials on a secure stack: TLS pinned to the stack's CA, the role's NATS and S3 identity)."""
-    own = stack.with_role(settings, role)
+    of `run_id` (default: the settings' run): on a secure stack its own credentials (TLS pinned to the
+    stack's CA, the role's NATS and S3 identity in that run, and in no other)."""
+    own = stack.with_role(settings.model_copy(update={"run_id": run_id or settings.run_id}), role)
     nats, blobs = own.nats, own.blobs
     env = {"SPRAWL_NATS__URL": nats.url, "SPRAWL_BLOBS__ENDPOINT_URL": blobs.endpoint_url or ""}
     if nats.creds_file is not None:

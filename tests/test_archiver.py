@@ -138,7 +138,7 @@ def _env(settings, run_id: str, **archive) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPRAWL_")}
     env |= {
         "SPRAWL_RUN_ID": run_id,
-        **connection_env(settings, "archiver"),
+        **connection_env(settings, "archiver", run_id),
         "SPRAWL_LOG_LEVEL": "INFO",
     }
     env |= {f"SPRAWL_ARCHIVE__{k.upper()}": str(v) for k, v in archive.items()}

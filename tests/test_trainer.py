@@ -99,7 +99,7 @@ def _env(settings, run_id, model_dir, checkpoint_every, max_versions) -> dict:
     return {
         **os.environ,
         "SPRAWL_RUN_ID": run_id,
-        **connection_env(settings, "admin"),  # its runs are its own: role credentials are scoped to the session run
+        **connection_env(settings, "trainer", run_id),
         "SPRAWL_LOG_FORMAT": "json",
         "SPRAWL_TRAINER__MODEL_DIR": str(model_dir),
         "SPRAWL_TRAINER__GROUPS_PER_BATCH": "2",
