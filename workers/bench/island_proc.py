@@ -30,6 +30,8 @@ JOIN_TOKEN_VARIABLE = "SPRAWL_BENCH_JOIN_TOKEN"
 
 def island_settings() -> SamplerSettings:
     settings = load_settings(SamplerSettings)
+    # Before anything logs (taking an identity does): stdout carries the commits, logs go to stderr.
+    configure_logging(settings.run_id, fmt="json", level="WARNING")
     token = os.environ.get(JOIN_TOKEN_VARIABLE)
     if token:
         from infra.join_token import join_settings
@@ -40,7 +42,6 @@ def island_settings() -> SamplerSettings:
 
 async def main() -> None:
     settings = island_settings()
-    configure_logging(settings.run_id, fmt="json", level="WARNING")
     trust = island_trust(settings.trust)
     event_log = await EventLog.connect(settings, worker="bench-island")
     island = build_island(event_log, settings.blobs, settings.run_id, settings.island, trust)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from infra import stack
 from infra.streams import apply
 from pipeline.blobstore import open_blob_store
 from pipeline.chain_publish import ChainPublisher
@@ -42,17 +43,31 @@ from workers.bench.private_stack import private_stack
 
 
 class IslandProcess:
-    """An `island_proc` child: its commits by version, as it reports them on stdout."""
+    """An `island_proc` child: its commits by version, as it reports them on stdout (its logs: `log_file`)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process):
+    def __init__(self, proc: asyncio.subprocess.Process, log_file: Path):
         self.proc = proc
+        self.log_file = log_file
         self.commits: dict[int, dict] = {}
         self.ready = asyncio.Event()
         self.reader = asyncio.create_task(self._read())
 
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Until it follows the chain; one that exits or hangs first raises with the tail of its log."""
+        waiting = asyncio.create_task(self.ready.wait())
+        exited = asyncio.create_task(self.proc.wait())
+        await asyncio.wait([waiting, exited], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        exited.cancel()
+        if not self.ready.is_set():
+            tail = self.log_file.read_text()[-2000:] if self.log_file.exists() else ""
+            raise RuntimeError(f"an island did not start (exit {self.proc.returncode}): {tail}")
+
     async def _read(self) -> None:
         assert self.proc.stdout is not None
         async for line in self.proc.stdout:
+            if not line.startswith(b"{"):
+                continue  # not a report (a library that prints); the reports are JSON objects
             record = json.loads(line)
             if record.get("ready"):
                 self.ready.set()
@@ -89,6 +104,9 @@ def adam_sized_step(state: dict[str, torch.Tensor], generator: torch.Generator) 
 async def _start_islands(
     settings, run_id: str, count: int, cache_root: Path, link_mbps: float | None, public_key: str
 ) -> list[IslandProcess]:
+    # The run's sampler identity is made here, once: islands taking it on first use at the same moment
+    # would race to create the same S3 user. Each island then reads it from the stack's identities.
+    stack.with_role(settings.model_copy(update={"run_id": run_id}), "sampler")
     islands = []
     for i in range(count):
         env = {
@@ -106,17 +124,15 @@ async def _start_islands(
         }
         if link_mbps:
             env["SPRAWL_BLOBS__MAX_DOWNLOAD_MBPS"] = str(link_mbps)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "workers.bench.island_proc",
-            env=env,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        islands.append(IslandProcess(proc))
+        log_file = cache_root / f"island-{i}.log"
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        with log_file.open("w") as log:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "workers.bench.island_proc", env=env, stdout=asyncio.subprocess.PIPE, stderr=log
+            )
+        islands.append(IslandProcess(proc, log_file))
     for island in islands:
-        await asyncio.wait_for(island.ready.wait(), 120)
+        await island.wait_ready(120)
     return islands
 
 

@@ -111,12 +111,12 @@ async def _start_islands(lab: NetworkLab, link: _Link, joins: list[dict], run_id
         }
         env |= {JOIN_TOKEN_VARIABLE: join["token"]} if "token" in join else join
         argv = lab.argv_in(island, [sys.executable, "-m", "workers.bench.island_proc"])
-        proc = await asyncio.create_subprocess_exec(
-            *argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-        )
-        processes.append(IslandProcess(proc))
+        home.mkdir(parents=True, exist_ok=True)
+        with (home / "island.log").open("w") as log:
+            proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=log)
+        processes.append(IslandProcess(proc, home / "island.log"))
     for island in processes:
-        await asyncio.wait_for(island.ready.wait(), ANSWER_TIMEOUT_S)
+        await island.wait_ready(ANSWER_TIMEOUT_S)
     return processes
 
 

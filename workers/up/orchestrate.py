@@ -97,8 +97,8 @@ def run_trust(settings: SprawlSettings) -> RunTrust:
 
 def worker_plans(settings: UpSettings, options: UpOptions, *, model_dir: Path, max_version: int) -> list[WorkerPlan]:
     """Every worker's settings, derived from the run's: the shared sections as they are, the trainer's
-    and chain's from `settings`, one island per view in turn (none with --no-local-islands). Values `up` does not set come from the
-    worker's defaults and the `SPRAWL_...` environment `up` was started with."""
+    and chain's from `settings`, one island per view in turn (none with --no-local-islands). Values `up`
+    does not set come from the worker's defaults and the `SPRAWL_...` environment `up` was started with."""
     from infra import stack
     from pipeline.config import load_settings
     from workers.archiver import ArchiverSettings
