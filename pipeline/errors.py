@@ -117,6 +117,18 @@ class AppendFailed(LogError):
     pass
 
 
+class LogIdentityRefused(LogError):
+    """The log no longer accepts this worker's credentials (its token was revoked or expired): fatal,
+    since reconnecting with them can never succeed."""
+
+    def __init__(self, reason: str):
+        super().__init__(
+            f"the log refused this worker's identity: {reason}",
+            hint="its join token was revoked or has expired: ask the run's owner for a new one "
+            "(`sprawl token create`)",
+        )
+
+
 class LogPermissionRefused(AppendFailed):
     """The server refused this identity a publish (its role has no such permission): fatal, never
     retried, since the same credentials get the same answer."""

@@ -38,6 +38,7 @@ from pipeline.errors import (
     AppendFailed,
     AppendUnavailable,
     LogError,
+    LogIdentityRefused,
     LogPermissionRefused,
     LogUnavailable,
     PoisonEvent,
@@ -130,17 +131,37 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
     async def on_reconnected() -> None:
         log.info("nats reconnected", url=settings.url)
 
+    def refuse_identity(reason: str) -> None:
+        refusal = identity_refusal(nc)
+        if not refusal.is_set():
+            refusal.reason = reason
+            refusal.set()
+            log.error("the log refused this identity (revoked, expired or unknown)", error=reason)
+
     async def on_error(exc: Exception) -> None:
         text = str(exc)
+        if any(marker in text.lower() for marker in _IDENTITY_REFUSED):
+            refuse_identity(text)
+            return
         if match := _PERMISSION_VIOLATION.search(text):
             refused_subjects(nc).add(match.group(2))
             log.error("the log refused this identity", operation=match.group(1), subject=match.group(2))
             return
         log.warning("nats client error", error=text)
 
+    async def on_closed() -> None:
+        # nats-py closes the client for good when a reconnect is refused for its credentials (the error
+        # reaches `last_error`, not always the error callback): nobody closed it on purpose.
+        cause = str(nc.last_error or "")
+        if not getattr(nc, "_sprawl_closing", False) and any(m in cause.lower() for m in _IDENTITY_REFUSED):
+            refuse_identity(cause)
+
+    callbacks = {"disconnected_cb": on_disconnected, "reconnected_cb": on_reconnected, "closed_cb": on_closed}
     try:
-        await nc.connect(disconnected_cb=on_disconnected, reconnected_cb=on_reconnected, error_cb=on_error, **options)
+        await nc.connect(error_cb=on_error, **callbacks, **options)
     except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
+        if identity_refusal(nc).is_set() or any(m in str(nc.last_error).lower() for m in _IDENTITY_REFUSED):
+            raise LogIdentityRefused(identity_refusal(nc).reason or str(nc.last_error)) from exc
         raise LogUnavailable(
             f"connecting to {settings.url} ({settings.connect_attempts} attempts per server)",
             exc,
@@ -151,6 +172,25 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
 
 
 _PERMISSION_VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"', re.IGNORECASE)
+
+
+_IDENTITY_REFUSED = ("authorization violation", "authentication expired", "authentication revoked")
+"""What nats-server says when it no longer accepts a client's credentials (a revoked or expired token)."""
+
+
+class IdentityRefusal(asyncio.Event):
+    """Set when the server refused this connection's identity: the client would reconnect forever with
+    credentials that can never work again, so the worker must end instead (`wait_identity_refused`)."""
+
+    reason = ""
+
+
+def identity_refusal(nc: NATS) -> IdentityRefusal:
+    refusal = getattr(nc, "_sprawl_identity_refusal", None)
+    if refusal is None:
+        refusal = IdentityRefusal()
+        nc._sprawl_identity_refusal = refusal  # type: ignore[attr-defined]
+    return refusal
 
 
 def refused_subjects(nc: NATS) -> set[str]:
@@ -195,9 +235,16 @@ class EventLog:
         nc = await connect_nats(settings.nats, name=producer)
         return cls(nc, open_blob_store(settings.blobs), settings.log, producer)
 
+    async def wait_identity_refused(self) -> None:
+        """Return never; raise LogIdentityRefused once the server refuses this connection's credentials."""
+        refusal = identity_refusal(self.nc)
+        await refusal.wait()
+        raise LogIdentityRefused(refusal.reason)
+
     async def close(self) -> None:
         # Every publish and ack we make is awaited, so there is nothing in flight to drain; a drain
         # would wait out pending pull requests instead.
+        self.nc._sprawl_closing = True  # type: ignore[attr-defined]
         if not self.nc.is_closed:
             with contextlib.suppress(nats.errors.Error):
                 await self.nc.flush(timeout=2)

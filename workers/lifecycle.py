@@ -40,8 +40,11 @@ async def run_connected(settings, worker: str, body: Callable[[EventLog, asyncio
     """Connect to the log as `worker`, run `body(log, stop)` until it returns, close the connection."""
     event_log = await EventLog.connect(settings, worker=worker)
     stop = stop_on_signals()
+    # A revoked or expired identity ends the worker with one line, instead of a process that reconnects
+    # forever with credentials that can never work again.
+    watch = asyncio.create_task(event_log.wait_identity_refused())
     try:
-        await body(event_log, stop)
+        await run_beside(body(event_log, stop), watch, stop, "the connection to the log")
     finally:
         await event_log.close()
 
