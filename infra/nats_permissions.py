@@ -21,6 +21,7 @@ from pipeline.topology import (
     ConsumerRole,
     Stream,
     consumers_of_run,
+    follower_name,
     token,
 )
 
@@ -45,7 +46,6 @@ def _reading(stream: Stream, run: str) -> list[str]:
         f"$JS.API.CONSUMER.INFO.{s}.*",
         f"$JS.API.CONSUMER.DELETE.{s}.*",
         f"$JS.API.CONSUMER.MSG.NEXT.{s}.*",
-        f"$JS.API.CONSUMER.NAMES.{s}",
         f"$JS.ACK.{s}.>",
         f"$JS.FC.{s}.>",
     ]
@@ -72,6 +72,16 @@ def _others_durables(role: Role, run: str) -> list[str]:
         ]
         if _BINDS[consumer.role] is not role:
             denied += [f"$JS.API.CONSUMER.MSG.NEXT.{s}.{name}", f"$JS.ACK.{s}.{name}.>"]
+    if role is not Role.TRAINER:
+        # The trainer's feeds: re-filtered, its trainer would see an idle feed and train on nothing. (A reward
+        # worker's prompt feed has a random name, and no role but the admin may list consumer names.)
+        for stream in STREAMS:
+            name = follower_name(run, "trainer", stream)
+            denied += [
+                f"$JS.API.CONSUMER.{op}.{stream.name}.{name}"
+                for op in ("CREATE", "DURABLE.CREATE", "DELETE", "MSG.NEXT")
+            ]
+            denied += [f"$JS.API.CONSUMER.CREATE.{stream.name}.{name}.>", f"$JS.ACK.{stream.name}.{name}.>"]
     return denied
 
 

@@ -27,7 +27,7 @@ from infra.stack_security import StackSecurity
 from infra.stack_state import StackStatus
 from pipeline.config import S3BlobSettings, SprawlSettings
 from pipeline.errors import StackError
-from pipeline.topology import STREAMS, Kind, consumers_of_run
+from pipeline.topology import STREAMS, Kind, consumers_of_run, follower_name
 
 OTHER_RUN = "permcheck-other"
 """A run no identity of the check belongs to."""
@@ -76,6 +76,11 @@ def _forbidden_publishes(role: Role, run: str) -> list[str]:
         ]
         if binds[consumer.role.value] is not role:
             subjects += [f"$JS.API.CONSUMER.MSG.NEXT.{s}.{name}", f"$JS.ACK.{s}.{name}.1.1.1.1.1"]
+    if role is not Role.TRAINER:
+        for stream in STREAMS:
+            name = follower_name(run, "trainer", stream)
+            subjects += [f"$JS.API.CONSUMER.{op}.{stream.name}.{name}" for op in ("CREATE", "DELETE", "MSG.NEXT")]
+    subjects += [f"$JS.API.CONSUMER.NAMES.{stream.name}" for stream in STREAMS]
     subjects += ["$JS.API.ACCOUNT.PURGE.check", "$SYS.REQ.SERVER.PING", "$JS.API.META.LEADER.STEPDOWN"]
     return subjects
 

@@ -328,7 +328,7 @@ class Materializer:
                 continue  # refused (or never read): not a target, not a base, not even from the cache
             entry = self._view_of(self._events[v])
             options: list[_Option] = []
-            if v in cached and ("cache", v) not in bad_starts:
+            if v in cached and ("cache", v) not in bad_starts and self._cache_is(v):
                 options.append((0, ("cache", v), None))
             if entry.kind == "keyframe" and usable(("keyframe", v)):
                 options.append((entry.bytes, ("keyframe", v), None))
@@ -390,6 +390,31 @@ class Materializer:
                 self._point_current(result.path)
                 self._collect_garbage(keep_also=target)
                 return result
+
+    def _cache_is(self, version: int) -> bool:
+        """Is the cached v<N> the bits of the (verified) event this log holds for v<N>? A cache folder
+        outlives its run: another stack's run with the same id, or a chain forged through a bad token,
+        leaves versions under the same numbers, and serving them would serve bits nobody signed here."""
+        event = self._events[version]
+        try:
+            manifest = json.loads((self.path_of(version) / MANIFEST_FILE).read_text())
+        except (OSError, ValueError):
+            return False
+        root_hash = self._view_of(event).root_hash
+        if manifest.get("event_id") == event.event_id and manifest.get("root_hash") == root_hash:
+            return True
+        log.error(
+            "cached version is not this log's version: removed, rebuilt from the log",
+            version=version,
+            cached_event_id=manifest.get("event_id"),
+            event_id=event.event_id,
+            path=str(self.path_of(version)),
+        )
+        # Out of the way first (a rename is atomic), so the rebuilt version can take its name.
+        aside = self.root / f".foreign-v{version:08d}-{uuid.uuid4().hex[:8]}"
+        os.rename(self.path_of(version), aside)
+        shutil.rmtree(aside, ignore_errors=True)
+        return False
 
     def _cached(self, version: int) -> Materialized:
         done = self.path_of(version)
@@ -483,6 +508,8 @@ class Materializer:
                         "version": version,
                         "view": self.view,
                         "root_hash": target_entry.root_hash,
+                        # Which event these bits are: a cache entry is served only for that very event.
+                        "event_id": self._events[version].event_id,
                         "tensors": digests,
                     },
                     indent=1,
