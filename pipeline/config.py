@@ -321,7 +321,8 @@ class SprawlSettings(BaseSettings):
     """How streams and consumers are declared (`sprawl infra apply`)."""
     join: SecretStr | None = None
     """A join token (`sprawl token create`): the run, the endpoints, this worker's own credentials and
-    the trainer's public key, for a worker on another machine. What it sets wins over other settings.
+    the trainer's public key, for a worker on another machine. What it sets wins over the environment and
+    files; flags given beside it still win (`--island.view`, another route to the same stack).
     `@FILE` reads it from a file (or use SPRAWL_JOIN): on a command line it is visible in `ps`."""
     trust: TrustSettings = TrustSettings()
     """Which signed versions islands serve, and the key the trainer signs them with."""

@@ -553,12 +553,15 @@ def parse(argv: list[str]) -> Invocation:
         options = model(_cli_settings_source=source(parsed_args=namespace))
     if "settings" in sources:
         model, source = sources["settings"]
-        settings = load_settings(model, namespace.config, cli_source=source(parsed_args=namespace))
+        def reload(**overrides: object) -> Any:  # flags still win over what the overrides set
+            return load_settings(model, namespace.config, cli_source=source(parsed_args=namespace), **overrides)
+
+        settings = reload()
         if command.remembers_run and "run_id" not in settings.model_fields_set:
             remembered = last_up_run(settings)
             if remembered is not None:
-                settings = load_settings(model, namespace.config, cli_source=source, run_id=remembered)
-        settings = _identity(namespace.command, settings, lambda **kw: load_settings(model, namespace.config, **kw))
+                settings = reload(run_id=remembered)
+        settings = _identity(namespace.command, settings, reload)
     return Invocation(namespace.command, command, options, settings)
 
 
