@@ -8,6 +8,7 @@ in a join token (`infra/join_token.py`).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import time
 from pathlib import Path
@@ -87,13 +88,27 @@ class StackSecurity:
         if role is Role.ADMIN:
             return admin
         path = self.users_dir / f"{role.value}-{run_id}.s3.json"
-        if path.exists():
-            saved = json.loads(path.read_text())
-            key = s3_identities.RoleCredentials(saved["access_key_id"], SecretStr(saved["secret"]), saved["identity"])
-        else:
-            key = s3_identities.add_token_identity(admin, role.value, run_id, f"role-{role.value}-{run_id}")
-            record = {"access_key_id": key.access_key_id, "secret": key.secret_access_key.get_secret_value()}
-            write_private(path, json.dumps({**record, "identity": key.identity}).encode())
+        self.users_dir.mkdir(parents=True, exist_ok=True)
+        # Workers of one role start together (islands): one of them makes the identity, the others read it.
+        with open(self.users_dir / ".s3-identities.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.exists():
+                saved = json.loads(path.read_text())
+                key = s3_identities.RoleCredentials(
+                    saved["access_key_id"], SecretStr(saved["secret"]), saved["identity"]
+                )
+            else:
+                name = f"role-{role.value}-{run_id}"
+                try:
+                    key = s3_identities.add_token_identity(admin, role.value, run_id, name)
+                except s3_identities.S3IdentityError as exc:
+                    if "EntityAlreadyExists" not in str(exc):
+                        raise
+                    # Made before, its keys lost with a crash before they were written down: start over.
+                    s3_identities.revoke_token_identity(admin, name)
+                    key = s3_identities.add_token_identity(admin, role.value, run_id, name)
+                record = {"access_key_id": key.access_key_id, "secret": key.secret_access_key.get_secret_value()}
+                write_private(path, json.dumps({**record, "identity": key.identity}).encode())
         return key.applied_to(admin)
 
     def nats_settings(self, nats: NatsSettings, url: str, role: Role | str, run_id: str) -> NatsSettings:
