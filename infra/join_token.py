@@ -160,6 +160,23 @@ def list_tokens(settings: SprawlSettings) -> dict[str, dict]:
     return _read_registry(stack_dir(settings))
 
 
+def revoke_expired(settings: SprawlSettings, st: StackStatus) -> list[str]:
+    """Delete the S3 identities of tokens past their expiry (nats-server refuses them by itself; S3 keys
+    have no expiry here: SeaweedFS does not evaluate time conditions). Run by every `sprawl token` and
+    `sprawl stack` command and by `sprawl up`; returns the ids swept."""
+    directory = stack_dir(settings)
+    registry = _read_registry(directory)
+    now = time.time()
+    expired = [tid for tid, e in registry.items() if e["expires_at"] and e["expires_at"] <= now and not e["revoked_at"]]
+    for token_id in expired:
+        s3_identities.revoke_token_identity(_admin_blobs(settings, st), token_id)
+        registry[token_id]["revoked_at"] = int(now)
+        log.info("expired join token's S3 identity deleted", token_id=token_id)
+    if expired:
+        write_private(_registry(directory), json.dumps(registry, indent=1).encode())
+    return expired
+
+
 def revoke_token(settings: SprawlSettings, st: StackStatus, token_id: str) -> list[str]:
     """Revoke `token_id` on the log and the blob store; returns what was done."""
     directory = stack_dir(settings)

@@ -22,6 +22,7 @@ import base64
 import json
 import os
 import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,23 @@ from infra.pki import write_private
 
 _HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
 UNLIMITED = -1
+
+ACCOUNT_LIMITS = {"conn": 4096, "subs": 262_144, "streams": 256, "consumer": 100_000}
+"""Bounds on the whole account, so a hostile island cannot exhaust the server's connections and consumers.
+Far above what runs use: a run declares 7 streams and about 10 durable consumers, and each worker holds
+a few connections. Storage is bounded by `storage_limits`."""
+
+
+def storage_limits(store: Path) -> dict[str, int]:
+    """The account's JetStream storage: a quarter of this machine's memory and half the free disk under
+    `store`, both below what nats-server reserves for itself by default (75% of each), which it checks:
+    an account asking for more than the server has gets no JetStream at all."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"mem_storage": memory // 4, "disk_storage": shutil.disk_usage(store).free // 2}
+
+
+WORKER_MAX_SUBSCRIPTIONS = 256
+"""Subscriptions one worker connection may hold (its inbox, a live feed or two, a handful of consumers)."""
 
 
 def _b64url(data: bytes) -> str:
@@ -175,19 +193,15 @@ class NatsAuthority:
 
     def account_jwt(self) -> str:
         limits = {
-            "subs": UNLIMITED,
             "data": UNLIMITED,
             "payload": UNLIMITED,
             "imports": UNLIMITED,
             "exports": UNLIMITED,
             "wildcards": True,
-            "conn": UNLIMITED,
             "leaf": UNLIMITED,
+            **ACCOUNT_LIMITS,
             # JetStream is on for an account whose storage limits are not 0.
-            "mem_storage": UNLIMITED,
-            "disk_storage": UNLIMITED,
-            "streams": UNLIMITED,
-            "consumer": UNLIMITED,
+            **storage_limits(self.directory),
         }
         nats: dict[str, object] = {
             "limits": limits,
@@ -217,10 +231,13 @@ class NatsAuthority:
         ]
         return "\n".join(lines)
 
-    def issue(self, name: str, permissions: Permissions, *, expires_at: int | None = None) -> UserCredentials:
-        """A new user of the account: its own key pair, a JWT with `permissions`, expiring at `expires_at`."""
+    def issue(
+        self, name: str, permissions: Permissions, *, expires_at: int | None = None, max_subscriptions: int = UNLIMITED
+    ) -> UserCredentials:
+        """A new user of the account: its own key pair, a JWT with `permissions`, expiring at `expires_at`,
+        holding at most `max_subscriptions` at once (per connection)."""
         seed = _new_seed(nkeys.PREFIX_BYTE_USER)
-        nats = {**permissions.claims(), "subs": UNLIMITED, "data": UNLIMITED, "payload": UNLIMITED}
+        nats = {**permissions.claims(), "subs": max_subscriptions, "data": UNLIMITED, "payload": UNLIMITED}
         nats.update({"type": "user", "version": 2})
         jwt = encode_jwt(self._account_seed, public_key(seed), name, nats, expires_at=expires_at)
         return UserCredentials(jwt=jwt, seed=seed)

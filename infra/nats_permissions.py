@@ -19,6 +19,7 @@ from infra.roles import GRANTS, Role
 from pipeline.topology import (
     STREAMS,
     ConsumerRole,
+    Kind,
     Stream,
     consumers_of_run,
     follower_name,
@@ -94,6 +95,11 @@ def permissions_for(role: Role | str, run_id: str, inbox: str) -> Permissions:
     grant = GRANTS[role]
     publish = ["$JS.API.INFO", "$JS.API.STREAM.NAMES"]
     for kind in grant.publishes:
+        if kind is Kind.DEAD_LETTERS:
+            # Only of messages it reads (`rl.<run>.deadletter.<stream>.<seq>`): a sampler cannot plant a
+            # letter where a trajectory's or a reward's refusal will have to go.
+            publish += [f"rl.{run}.{kind.value}.{stream.label}.>" for stream in grant.reads]
+            continue
         publish += [f"rl.{run}.{kind.value}", f"rl.{run}.{kind.value}.>"]
     for stream in grant.reads:
         publish += _reading(stream, run)

@@ -50,6 +50,8 @@ def _forbidden_publishes(role: Role, run: str) -> list[str]:
     grant = GRANTS[role]
     subjects = [f"rl.{run}.{kind.value}.check" for kind in Kind if kind not in grant.publishes]
     subjects += [f"rl.{OTHER_RUN}.{kind.value}.check" for kind in grant.publishes]
+    if Kind.DEAD_LETTERS in grant.publishes:
+        subjects += [f"rl.{run}.deadletter.{s.label}.1" for s in STREAMS if s not in grant.reads]
     for stream in STREAMS:
         s = stream.name
         subjects += [f"$JS.API.STREAM.{op}.{s}" for op in ("CREATE", "UPDATE", "DELETE", "PURGE", "MSG.DELETE")]
@@ -91,7 +93,11 @@ def _forbidden_subscriptions(role: Role, run: str) -> list[str]:
 
 
 def _allowed_publishes(role: Role, run: str) -> list[str]:
-    return [f"rl.{run}.{kind.value}.check" for kind in GRANTS[role].publishes]
+    grant = GRANTS[role]
+    subjects = [f"rl.{run}.{kind.value}.check" for kind in grant.publishes if kind is not Kind.DEAD_LETTERS]
+    if Kind.DEAD_LETTERS in grant.publishes:
+        subjects += [f"rl.{run}.deadletter.{s.label}.1" for s in grant.reads]
+    return subjects
 
 
 def _allowed_requests(role: Role, run: str) -> list[tuple[str, bytes]]:

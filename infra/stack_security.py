@@ -16,7 +16,14 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from infra import s3_identities
-from infra.nats_auth import NatsAuthority, Permissions, UserCredentials, decode_claims
+from infra.nats_auth import (
+    UNLIMITED,
+    WORKER_MAX_SUBSCRIPTIONS,
+    NatsAuthority,
+    Permissions,
+    UserCredentials,
+    decode_claims,
+)
 from infra.nats_permissions import inbox_prefix, permissions_for
 from infra.pki import ServerCertificate, ensure_server_certificate, write_private
 from infra.roles import Role
@@ -61,24 +68,28 @@ class StackSecurity:
     def issue(self, role: Role | str, run_id: str, identity: str, *, expires_at: int | None = None) -> UserCredentials:
         role = Role(role)
         permissions = permissions_for(role, run_id, inbox_prefix(role, identity))
-        return self.authority.issue(f"{role.value}:{run_id}:{identity}", permissions, expires_at=expires_at)
+        name = f"{role.value}:{run_id}:{identity}"
+        return self.authority.issue(
+            name, permissions, expires_at=expires_at, max_subscriptions=_max_subscriptions(role)
+        )
 
     def role_creds_file(self, role: Role | str, run_id: str) -> Path:
         """The credentials of `role` in `run_id` for workers on this machine, issued once and kept."""
         role = Role(role)
         path = self.users_dir / f"{role.value}-{run_id}.creds"
-        if not path.exists() or self._unusable(path, permissions_for(role, run_id, inbox_prefix(role, run_id))):
+        permissions = permissions_for(role, run_id, inbox_prefix(role, run_id))
+        if not path.exists() or self._unusable(path, permissions, _max_subscriptions(role)):
             self.issue(role, run_id, run_id).write(path)
         return path
 
-    def _unusable(self, creds_file: Path, permissions: Permissions) -> bool:
+    def _unusable(self, creds_file: Path, permissions: Permissions, max_subscriptions: int) -> bool:
         """Revoked, expired, or issued with other permissions than the role has now (a newer sprawl)."""
         jwt = creds_file.read_text().split("-----BEGIN NATS USER JWT-----\n", 1)[1].split("\n", 1)[0]
         claims = decode_claims(jwt)
         revoked_at = self.authority.revocations().get(claims["sub"])
         expired = claims.get("exp") is not None and claims["exp"] <= time.time()
         granted = {key: claims["nats"].get(key) for key in ("pub", "sub")}
-        outdated = granted != permissions.claims()
+        outdated = granted != permissions.claims() or claims["nats"].get("subs") != max_subscriptions
         return expired or outdated or (revoked_at is not None and claims["iat"] <= revoked_at)
 
     def blob_settings(self, admin: S3BlobSettings, role: Role | str, run_id: str) -> S3BlobSettings:
@@ -123,3 +134,8 @@ class StackSecurity:
                 "password": None,
             }
         )
+
+
+def _max_subscriptions(role: Role) -> int:
+    """The admin (the stack's own commands, `sprawl up`) is trusted; every worker role is bounded."""
+    return UNLIMITED if role is Role.ADMIN else WORKER_MAX_SUBSCRIPTIONS

@@ -16,8 +16,8 @@ from nats.aio.msg import Msg
 from pipeline.errors import AppendConflict
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
-from pipeline.subjects import policy_subject, token
-from pipeline.topology import POLICY
+from pipeline.subjects import policy_subject, subject_for, token
+from pipeline.topology import DEADLETTER, POLICY
 from schemas import DeadLetter
 from schemas.envelope import new_event_id, now_utc
 
@@ -68,9 +68,11 @@ async def dead_letter(
         result = await event_log.append(dead)
     except AppendConflict:
         # One dead letter per (stream, seq) is all the log keeps: someone refused this message first.
+        await _check_the_letter_there(event_log, dead)
         log.info("already dead-lettered", stream=dead.stream, stream_seq=dead.original_seq, consumer=consumer)
         return False
-    if result.duplicate:
+    if result.duplicate:  # the msg id is the (stream, seq): our earlier attempt, or a planted letter
+        await _check_the_letter_there(event_log, dead)
         return False
     log.warning(
         "dead-lettered",
@@ -81,6 +83,29 @@ async def dead_letter(
         reason=reason,
     )
     return True
+
+
+async def _check_the_letter_there(event_log: EventLog, ours: DeadLetter) -> None:
+    """The letter that took our subject must be a letter of the same message: one that holds other bytes
+    was planted (a hostile worker of a role that may dead-letter this stream) to hide the refusal from
+    the audit. Logged as an error; the refusal itself was counted by whoever refused."""
+    subject = subject_for(ours)
+    try:
+        there = await event_log.resolve((await event_log.js.get_last_msg(DEADLETTER.name, subject)).data, subject)
+    except Exception as exc:  # a check on the way out: it must never turn a refusal into a crash
+        log.warning("could not read back the dead letter already at its subject", subject=subject, error=repr(exc))
+        return
+    if (
+        not isinstance(there, DeadLetter)
+        or there.payload != ours.payload
+        or there.original_subject != ours.original_subject
+    ):
+        log.error(
+            "the dead letter at this subject does not hold the refused message: planted?",
+            subject=subject,
+            planted_by=getattr(there, "producer", "?"),
+            refusal=ours.reason,
+        )
 
 
 def run_of(subject: str) -> str:
@@ -120,8 +145,11 @@ async def dead_letter_refused_version(
     try:
         result = await event_log.append(dead)
     except AppendConflict:
+        await _check_the_letter_there(event_log, dead)
         log.info("refused version already dead-lettered", version=version, stream_seq=msg.seq, refused_by=refused_by)
         return False
-    if not result.duplicate:
-        log.warning("refused version dead-lettered", version=version, stream_seq=msg.seq, error_class=error_class)
-    return not result.duplicate
+    if result.duplicate:  # the msg id is the (stream, seq): our earlier attempt, or a planted letter
+        await _check_the_letter_there(event_log, dead)
+        return False
+    log.warning("refused version dead-lettered", version=version, stream_seq=msg.seq, error_class=error_class)
+    return True

@@ -6,7 +6,7 @@ its token)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import json
 import time
 
 import nats.js.api as api
@@ -16,10 +16,10 @@ from infra import join_token, stack
 from infra.nats_auth import decode_claims
 from infra.streams import apply
 from pipeline.dead_letter import dead_letter_refused_version
+from pipeline.errors import LogPermissionRefused
 from pipeline.eventlog import EventLog
 from pipeline.materialize import verify_directory
-from pipeline.subjects import dead_letter_subject
-from pipeline.topology import POLICY, PROMPTS, TRAJECTORIES, consumer_for, follower_name
+from pipeline.topology import POLICY, PROMPTS, REWARDS, TRAJECTORIES, consumer_for, follower_name
 from pipeline.version_signing import VersionTrust, generate_signing_key
 from schemas import DeadLetter
 from schemas.envelope import new_event_id, now_utc
@@ -107,9 +107,11 @@ def test_the_account_and_the_users_limit_consumers_connections_and_subscriptions
 
 
 @pytest.mark.integration
-async def test_a_sampler_cannot_pre_empt_the_dead_letter_of_a_refused_version(settings, event_log):
-    """Dead letters keep one message per subject, and a sampler may publish any `rl.<run>.deadletter.>`:
-    claiming the subject of a version's dead letter first hides the island's real refusal from the audit."""
+async def test_a_sampler_cannot_plant_dead_letters_and_a_planted_one_is_called_out(settings, event_log, capsys):
+    """Dead letters keep one message per subject: a letter planted where a refusal must go would hide the
+    refusal from the audit. A sampler may dead-letter only messages of the streams it reads (prompts,
+    versions); on those, the island that finds a planted letter in its way says so as an error (its
+    refusal is counted in its heartbeat and metrics either way)."""
     run = settings.run_id
     forged_pub = publisher(event_log, settings, tiny_moe(seed=3), signing_key=generate_signing_key())
     await forged_pub.open()
@@ -117,23 +119,27 @@ async def test_a_sampler_cannot_pre_empt_the_dead_letter_of_a_refused_version(se
     forged_pub.close()
     seq = (await event_log.js.get_last_msg(POLICY.name, f"rl.{run}.policy.v0")).seq
     sampler = await EventLog.connect(stack.with_role(settings, "sampler"), worker="test-hostile-island")
-    decoy = DeadLetter(
-        run_id=run,
-        event_id=new_event_id(),
-        produced_at=now_utc(),
-        reason="nothing to see",
-        error_class="ok",
-        stream=POLICY.label,
-        consumer="someone",
-        original_subject=f"rl.{run}.policy.v0",
-        original_seq=seq,
-        num_delivered=1,
-        payload=b"",
-    )
+
+    def decoy(stream: str, original_subject: str) -> DeadLetter:
+        return DeadLetter(
+            run_id=run,
+            event_id=new_event_id(),
+            produced_at=now_utc(),
+            reason="nothing to see",
+            error_class="ok",
+            stream=stream,
+            consumer="someone",
+            original_subject=original_subject,
+            original_seq=seq,
+            num_delivered=1,
+            payload=b"",
+        )
+
     try:
-        # Refused, or at least not stored under the subject an island's refusal will need.
-        with contextlib.suppress(Exception):  # refused is the wanted outcome
-            await sampler.append(decoy)
+        for stream in (TRAJECTORIES, REWARDS):  # streams a sampler does not read: refused by the server
+            with pytest.raises(LogPermissionRefused):
+                await sampler.append(decoy(stream.label, f"rl.{run}.{stream.label}.g.t"))
+        await sampler.append(decoy(POLICY.label, f"rl.{run}.policy.v0"))  # a stream it reads: taken
         stored = await dead_letter_refused_version(
             event_log,
             run_id=run,
@@ -143,17 +149,19 @@ async def test_a_sampler_cannot_pre_empt_the_dead_letter_of_a_refused_version(se
             error_class="version_signature_invalid",
             refused_by="honest-island",
         )
-        assert stored, "the island's refusal was dropped as 'already dead-lettered' behind the sampler's decoy"
-        msg = await event_log.js.get_last_msg("DEADLETTER", dead_letter_subject(run, POLICY.label, seq))
-        assert b"honest-island" in msg.data
+        assert not stored
+        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+        planted = [line for line in lines if line.get("event", "").startswith("the dead letter at this subject")]
+        assert planted and planted[0]["level"] == "error", [line["event"] for line in lines]
     finally:
         await sampler.close()
 
 
 @pytest.mark.integration
-async def test_an_expired_tokens_s3_key_is_refused(settings):
-    """`--ttl` must end the token everywhere: nats-server closes its connection, the blob store must
-    refuse its key too (today the S3 key lives until someone runs `sprawl token revoke`)."""
+async def test_an_expired_tokens_s3_key_is_swept(settings):
+    """`--ttl` ends the token on the log by itself (nats-server); S3 keys have no expiry on SeaweedFS (it
+    does not evaluate time conditions), so every `sprawl token` and `sprawl stack` command, and `sprawl
+    up`, deletes the S3 identities of expired tokens: after the sweep the key is refused."""
     import boto3
     from botocore.config import Config
     from botocore.exceptions import ClientError
@@ -173,7 +181,9 @@ async def test_an_expired_tokens_s3_key_is_refused(settings):
     )
     key = f"claims/{settings.run_id}/traj/written-after-expiry"
     try:
-        await asyncio.sleep(max(0.0, token.expires_at - time.time()) + 1.5)
+        while time.time() < token.expires_at:  # the expiry itself is what this waits for
+            await asyncio.sleep(0.1)
+        assert token.token_id in join_token.revoke_expired(settings, st)
         with pytest.raises(ClientError):
             s3.put_object(Bucket=token.s3.bucket, Key=key, Body=b"x")
     finally:

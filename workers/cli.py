@@ -182,7 +182,12 @@ def cmd_stack(options: StackOptions, settings) -> int:
     from infra import stack
 
     if options.action == "up":
-        _print_stack(stack.up(settings))
+        st = stack.up(settings)
+        if st.secure:
+            from infra.join_token import revoke_expired
+
+            revoke_expired(settings, st)
+        _print_stack(st)
     elif options.action == "down":
         stopped = stack.down(settings)
         print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
@@ -224,6 +229,8 @@ def cmd_token(options: TokenOptions, settings) -> int:
     from infra import join_token, stack
     from workers.up.orchestrate import run_trust
 
+    if (running := stack.status(settings)) is not None and running.secure:
+        join_token.revoke_expired(settings, running)
     if options.action == "list":
         for token_id, entry in join_token.list_tokens(settings).items():
             state = "revoked" if entry["revoked_at"] else "active"
@@ -553,6 +560,7 @@ def parse(argv: list[str]) -> Invocation:
         options = model(_cli_settings_source=source(parsed_args=namespace))
     if "settings" in sources:
         model, source = sources["settings"]
+
         def reload(**overrides: object) -> Any:  # flags still win over what the overrides set
             return load_settings(model, namespace.config, cli_source=source(parsed_args=namespace), **overrides)
 
