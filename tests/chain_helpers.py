@@ -113,3 +113,19 @@ def materializer(
         settings=MaterializeSettings(cache_dir=cache_dir, **kw),
         trust=trust,
     )
+
+
+def reference_island(event_log, settings, section):
+    """An island on the reference engine that pins the test key (`TEST_TRUST`), for `settings`' run."""
+    from pipeline.blobstore import S3BlobStore
+    from workers.sampler.engines.reference import ReferenceEngine
+    from workers.sampler.island import Island
+
+    return Island(
+        event_log,
+        S3BlobStore(settings.blobs),
+        ReferenceEngine(),
+        run_id=settings.run_id,
+        settings=section,
+        trust=TEST_TRUST,
+    )

@@ -5,12 +5,10 @@ import tracemalloc
 import pytest
 import torch
 
-from pipeline.blobstore import S3BlobStore
 from pipeline.config import MaterializeSettings
-from tests.chain_helpers import TEST_TRUST, publisher
+from tests.chain_helpers import publisher, reference_island
 from tests.tiny_models import adam_like_step, tiny_moe
-from workers.sampler.engines.reference import ReferenceEngine
-from workers.sampler.island import CommitRecord, Island, IslandSection, IslandStats
+from workers.sampler.island import CommitRecord, IslandSection, IslandStats
 from workers.sampler.sidecar import Sidecar
 
 
@@ -44,14 +42,7 @@ async def test_an_island_keeps_its_recent_commits_for_the_benchmark_and_the_side
     state = {k: v.clone() for k, v in model.state_dict().items()}
     pub = publisher(event_log, settings, model)
     section = IslandSection(island_id="stats-test", materialize=MaterializeSettings(cache_dir=tmp_path))
-    island = Island(
-        event_log,
-        S3BlobStore(settings.blobs),
-        ReferenceEngine(),
-        run_id=settings.run_id,
-        settings=section,
-        trust=TEST_TRUST,
-    )
+    island = reference_island(event_log, settings, section)
     island.stats = IslandStats(keep=2)
     await island.start(follow=False)
     roots = {}

@@ -10,17 +10,16 @@ import time
 import pytest
 import torch
 
-from pipeline.blobstore import S3BlobStore
 from pipeline.config import MaterializeSettings
 from pipeline.replay import replay
 from pipeline.sampling import process_logits
 from pipeline.version_signing import public_key_text
 from schemas import PromptGroup, SamplingParams, Trajectory
-from tests.chain_helpers import TEST_SIGNING_KEY, TEST_TRUST, publisher
+from tests.chain_helpers import TEST_SIGNING_KEY, publisher, reference_island
 from tests.servers import HANG_GUARD_S, connection_env
 from tests.tiny_models import adam_like_step, tiny_moe
 from workers.sampler.engines.reference import ReferenceEngine
-from workers.sampler.island import Island, IslandSection
+from workers.sampler.island import IslandSection
 from workers.sampler.worker import SamplerSettings, SamplerWorker
 
 pytestmark = pytest.mark.integration
@@ -69,14 +68,7 @@ def _sampler(event_log, settings, tmp_path, view: str) -> SamplerWorker:
             "heartbeat_interval_s": 0.5,
         }
     )
-    island = Island(
-        event_log,
-        S3BlobStore(settings.blobs),
-        ReferenceEngine(),
-        run_id=settings.run_id,
-        settings=section,
-        trust=TEST_TRUST,
-    )
+    island = reference_island(event_log, settings, section)
     return SamplerWorker(sampler_settings, event_log, island)
 
 

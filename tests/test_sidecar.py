@@ -4,12 +4,10 @@ import aiohttp
 import pytest
 import torch
 
-from pipeline.blobstore import S3BlobStore
 from pipeline.config import MaterializeSettings
-from tests.chain_helpers import TEST_TRUST, publisher
+from tests.chain_helpers import publisher, reference_island
 from tests.tiny_models import adam_like_step, tiny_moe
-from workers.sampler.engines.reference import ReferenceEngine
-from workers.sampler.island import Island, IslandSection
+from workers.sampler.island import IslandSection
 from workers.sampler.sidecar import Sidecar, serve
 
 pytestmark = pytest.mark.integration
@@ -22,14 +20,7 @@ async def served(event_log, settings, tmp_path):
     pub = publisher(event_log, settings, model)
     await pub.publish(0, state)
     section = IslandSection(island_id="sidecar-test", materialize=MaterializeSettings(cache_dir=tmp_path))
-    island = Island(
-        event_log,
-        S3BlobStore(settings.blobs),
-        ReferenceEngine(),
-        run_id=settings.run_id,
-        settings=section,
-        trust=TEST_TRUST,
-    )
+    island = reference_island(event_log, settings, section)
     await island.start(follow=False)  # versions move only when a request asks
     await island.commit(0)
     runner, port = await serve(Sidecar(island), "127.0.0.1", 0)

@@ -16,7 +16,6 @@ from cryptography.hazmat.primitives import serialization
 
 from pipeline.audit import AUDITS, open_archive, query
 from pipeline.bits import root_hash
-from pipeline.blobstore import S3BlobStore
 from pipeline.config import MaterializeSettings, TrustSettings
 from pipeline.materialize import verify_directory
 from pipeline.replay import replay
@@ -38,11 +37,10 @@ from pipeline.version_signing import (
 )
 from schemas import BlobPointer, DeadLetter, PolicyVersion, SkipPatch, TensorDigest, ViewVersion, decode_event
 from schemas.version_manifest import SIGNED_PREFIX
-from tests.chain_helpers import TEST_TRUST, CorruptingBlobStore, expected_root, patch_key, publisher
+from tests.chain_helpers import TEST_TRUST, CorruptingBlobStore, expected_root, patch_key, publisher, reference_island
 from tests.servers import HANG_GUARD_S
 from tests.tiny_models import adam_like_step, tiny_moe
 from workers.archiver import ArchiverSettings, ArchiveSection, drain_once
-from workers.sampler.engines.reference import ReferenceEngine
 from workers.sampler.island import Island, IslandSection
 from workers.sampler.settings import RouteRetrySection
 from workers.sampler.sidecar import Sidecar
@@ -247,14 +245,7 @@ async def _island(event_log, settings, cache_dir, name: str) -> Island:
         materialize=MaterializeSettings(cache_dir=cache_dir),
         route_retry=RouteRetrySection(first_s=3600.0, max_s=3600.0, jitter=0.0),
     )
-    island = Island(
-        event_log,
-        S3BlobStore(settings.blobs),
-        ReferenceEngine(),
-        run_id=settings.run_id,
-        settings=section,
-        trust=TEST_TRUST,
-    )
+    island = reference_island(event_log, settings, section)
     await island.start(follow=True)
     return island
 
