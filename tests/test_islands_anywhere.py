@@ -204,20 +204,21 @@ def join(lab: NetworkLab, hub: Hub, island: Island, view: str, tmp_path: Path) -
     text, token_id = hub.token(island)
     home = tmp_path / island.name
     home.mkdir()
-    # The island's own settings as variables: `--join` replaces the settings with the token's, and (for now)
-    # the flags besides it with them; variables are read on that reload too.
+    # As the README has it: the token in a file (on a command line `ps` would show it), the view a flag.
+    token_file = home / "island.token"
+    token_file.write_text(text)
+    token_file.chmod(0o600)
     env = _clean_env() | {
-        "SPRAWL_STATE_DIR": str(home / "state"),
         "SPRAWL_LOG_FORMAT": "json",
         "SPRAWL_LOG_LEVEL": "INFO",
         "SPRAWL_HEARTBEAT_INTERVAL_S": "2",
-        "SPRAWL_ISLAND__VIEW": view,
         "SPRAWL_ISLAND__ISLAND_ID": f"{island.name}-{view.split('_')[0]}",
         "SPRAWL_ISLAND__TOP_LOGPROBS": str(VOCAB_SIZE),
         "SPRAWL_ISLAND__POLL_INTERVAL_S": "1",
         "SPRAWL_ISLAND__MATERIALIZE__CACHE_DIR": str(home / "cache"),
     }
-    argv = [sys.executable, "-m", "workers.cli", "sampler", "--join", text, "--state-dir", str(home / "state")]
+    argv = [sys.executable, "-m", "workers.cli", "sampler", "--join", f"@{token_file}", "--island.view", view]
+    argv += ["--state-dir", str(home / "state")]
     log_file = home / "sampler.log"
     with log_file.open("w") as out:
         process = lab.spawn_in(island, argv, env=env, stdout=out, stderr=subprocess.STDOUT)
