@@ -19,7 +19,7 @@ from pipeline.consumer import Consumer
 from pipeline.eventlog import EventLog
 from tests.events import trajectory
 from tests.ledger_consumer import ledger_handler
-from tests.servers import HANG_GUARD_S, restartable_stack
+from tests.servers import HANG_GUARD_S, connection_env, restartable_stack
 
 pytestmark = pytest.mark.integration
 
@@ -28,8 +28,7 @@ def _env(settings) -> dict[str, str]:
     return {
         **os.environ,
         "SPRAWL_RUN_ID": settings.run_id,
-        "SPRAWL_NATS__URL": settings.nats.url,
-        "SPRAWL_BLOBS__ENDPOINT_URL": settings.blobs.endpoint_url,
+        **connection_env(settings),  # the ledger consumer binds the run's consumers and writes `ledger/`
     }
 
 
@@ -57,7 +56,8 @@ async def test_sigkill_mid_handler_redelivers_and_applies_once(event_log, settin
     cmd = [sys.executable, "-m", "tests.ledger_consumer", "--workdir", str(tmp_path)]
     victim = subprocess.Popen([*cmd, "--hang-on", "k3"], env=_env(settings))
     try:
-        await _wait_for(lambda: (tmp_path / "hanging").exists())
+        await _wait_for(lambda: (tmp_path / "hanging").exists() or victim.poll() is not None)
+        assert victim.poll() is None, "the victim exited before it hung"
         # k3's side effect is done, its ack is not: the worst moment to die.
         victim.send_signal(signal.SIGKILL)
         victim.wait(timeout=10)
