@@ -250,8 +250,9 @@ class EventLog:
                 await self.nc.flush(timeout=2)
             # With the server gone, nats-py's close writes what it buffered while reconnecting onto the
             # dead socket and raises ConnectionResetError; by then the client is already CLOSED (no more
-            # reconnects), which is all closing means here.
-            with contextlib.suppress(ConnectionError):
+            # reconnects), which is all closing means here. Over TLS the same write meets asyncio's SSL
+            # transport already torn down and raises AttributeError (`_ssl_protocol` is None) instead.
+            with contextlib.suppress(ConnectionError, AttributeError):
                 await self.nc.close()
 
     # ---------------------------------------------------------------- append

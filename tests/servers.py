@@ -178,3 +178,11 @@ def connection_env(settings: StackSettings, role: str = "admin", run_id: str | N
     env["SPRAWL_BLOBS__ACCESS_KEY_ID"] = blobs.access_key_id
     env["SPRAWL_BLOBS__SECRET_ACCESS_KEY"] = blobs.secret_access_key.get_secret_value()
     return env
+
+
+def admin_nats(stack_directory: Path, url: str, **options: object) -> NatsSettings:
+    """Connection settings for a nats-server started alone (`stack.start_nats`) in `stack_directory`: the
+    stack's admin, over TLS pinned to its CA, as every client of a secure server must be."""
+    from infra.stack_security import StackSecurity
+
+    return StackSecurity(stack_directory).nats_settings(NatsSettings(**options), url, "admin", "admin")

@@ -16,7 +16,7 @@ from infra import stack
 from infra.stack import StackSection
 from infra.streams import apply
 from pipeline.blobstore import BLOB_BACKENDS, S3BlobStore, open_blob_store
-from pipeline.config import LocalBlobSettings, LogSettings, NatsSettings, S3BlobSettings
+from pipeline.config import LocalBlobSettings, LogSettings, S3BlobSettings
 from pipeline.consumer import Consumer
 from pipeline.errors import (
     AppendFailed,
@@ -33,7 +33,7 @@ from pipeline.replay import replay
 from pipeline.subjects import trajectories_filter
 from pipeline.views import VIEWS, get_view
 from tests.events import trajectory
-from tests.servers import START_TIMEOUT_S, TEST_STREAMS, free_port, new_run_id
+from tests.servers import START_TIMEOUT_S, TEST_STREAMS, admin_nats, free_port, new_run_id
 
 # ------------------------------------------------------------------ registries
 
@@ -102,16 +102,16 @@ def private_nats(tmp_path):
     record = stack.start_nats(tmp_path, section)
     servers = [record]
     try:
-        yield record.endpoint, lambda: stack.stop_servers(servers)
+        yield admin_nats(tmp_path, record.endpoint, reconnect_wait_s=0.2), lambda: stack.stop_servers(servers)
     finally:
         stack.stop_servers(servers)
 
 
 @pytest.fixture
 async def stoppable_log(private_nats):
-    url, stop_server = private_nats
+    nats_settings, stop_server = private_nats
     run_id = new_run_id()
-    nc = await connect_nats(NatsSettings(url=url, reconnect_wait_s=0.2), name="test-errors")
+    nc = await connect_nats(nats_settings, name="test-errors")
     log = EventLog(
         nc, None, LogSettings(publish_timeout_s=1.0, publish_attempts=2, publish_backoff_s=0.05), "test-errors"
     )

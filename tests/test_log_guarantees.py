@@ -27,7 +27,7 @@ from pipeline.subjects import (
 from pipeline.topology import DEADLETTER, POLICY, REWARDS, STREAMS, TRAJECTORIES, follower_name
 from schemas import DeadLetter, encode_event
 from tests.events import policy_version, reward, trajectory
-from tests.servers import HANG_GUARD_S, START_TIMEOUT_S, new_run_id
+from tests.servers import HANG_GUARD_S, START_TIMEOUT_S, admin_nats, new_run_id
 
 pytestmark = pytest.mark.integration
 
@@ -180,14 +180,14 @@ def private_nats(tmp_path):
     touching the session's. Stopped by pid at the end."""
     record = stack.start_nats(tmp_path, StackSection(nats_port=0, nats_monitor_port=0, start_timeout_s=START_TIMEOUT_S))
     try:
-        yield record.endpoint
+        yield admin_nats(tmp_path, record.endpoint)
     finally:
         stack.stop_servers([record])
 
 
 @pytest.fixture
 async def private_log(private_nats):
-    nc = await connect_nats(NatsSettings(url=private_nats), name="test-log-guarantees")
+    nc = await connect_nats(private_nats, name="test-log-guarantees")
     log = EventLog(nc, None, LogSettings(publish_attempts=4, publish_backoff_s=0.1), "test-log-guarantees")
     try:
         yield log
