@@ -18,6 +18,7 @@ from infra.nats_auth import Permissions
 from infra.roles import GRANTS, Role
 from pipeline.topology import (
     STREAMS,
+    SUBJECT_ROOT,
     ConsumerRole,
     Kind,
     Stream,
@@ -38,11 +39,11 @@ def _reading(stream: Stream, run: str) -> list[str]:
         f"$JS.API.STREAM.INFO.{s}",
         f"$JS.API.STREAM.MSG.GET.{s}",
         f"$JS.API.DIRECT.GET.{s}",
-        f"$JS.API.DIRECT.GET.{s}.rl.{run}.>",
+        f"$JS.API.DIRECT.GET.{s}.{SUBJECT_ROOT}.{run}.>",
         # Ephemeral and ordered consumers (no name in the subject) and named ones with one filter of this run.
         f"$JS.API.CONSUMER.CREATE.{s}",
         f"$JS.API.CONSUMER.CREATE.{s}.*",
-        f"$JS.API.CONSUMER.CREATE.{s}.*.rl.{run}.>",
+        f"$JS.API.CONSUMER.CREATE.{s}.*.{SUBJECT_ROOT}.{run}.>",
         f"$JS.API.CONSUMER.DURABLE.CREATE.{s}.*",
         f"$JS.API.CONSUMER.INFO.{s}.*",
         f"$JS.API.CONSUMER.DELETE.{s}.*",
@@ -98,9 +99,9 @@ def permissions_for(role: Role | str, run_id: str, inbox: str) -> Permissions:
         if kind is Kind.DEAD_LETTERS:
             # Only of messages it reads (`rl.<run>.deadletter.<stream>.<seq>`): a sampler cannot plant a
             # letter where a trajectory's or a reward's refusal will have to go.
-            publish += [f"rl.{run}.{kind.value}.{stream.label}.>" for stream in grant.reads]
+            publish += [f"{SUBJECT_ROOT}.{run}.{kind.value}.{stream.label}.>" for stream in grant.reads]
             continue
-        publish += [f"rl.{run}.{kind.value}", f"rl.{run}.{kind.value}.>"]
+        publish += [f"{SUBJECT_ROOT}.{run}.{kind.value}", f"{SUBJECT_ROOT}.{run}.{kind.value}.>"]
     for stream in grant.reads:
         publish += _reading(stream, run)
     for stream in STREAMS:

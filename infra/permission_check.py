@@ -27,7 +27,7 @@ from infra.stack_security import StackSecurity
 from infra.stack_state import StackStatus
 from pipeline.config import S3BlobSettings, SprawlSettings
 from pipeline.errors import StackError
-from pipeline.topology import STREAMS, Kind, consumers_of_run, follower_name
+from pipeline.topology import STREAMS, SUBJECT_ROOT, Kind, consumers_of_run, follower_name
 
 OTHER_RUN = "permcheck-other"
 """A run no identity of the check belongs to."""
@@ -48,10 +48,12 @@ class Attempt:
 
 def _forbidden_publishes(role: Role, run: str) -> list[str]:
     grant = GRANTS[role]
-    subjects = [f"rl.{run}.{kind.value}.check" for kind in Kind if kind not in grant.publishes]
-    subjects += [f"rl.{OTHER_RUN}.{kind.value}.check" for kind in grant.publishes]
+    subjects = [f"{SUBJECT_ROOT}.{run}.{kind.value}.check" for kind in Kind if kind not in grant.publishes]
+    subjects += [f"{SUBJECT_ROOT}.{OTHER_RUN}.{kind.value}.check" for kind in grant.publishes]
     if Kind.DEAD_LETTERS in grant.publishes:
-        subjects += [f"rl.{run}.deadletter.{s.label}.1" for s in STREAMS if s not in grant.reads]
+        subjects += [
+            f"{SUBJECT_ROOT}.{run}.{Kind.DEAD_LETTERS.value}.{s.label}.1" for s in STREAMS if s not in grant.reads
+        ]
     for stream in STREAMS:
         s = stream.name
         subjects += [f"$JS.API.STREAM.{op}.{s}" for op in ("CREATE", "UPDATE", "DELETE", "PURGE", "MSG.DELETE")]
@@ -62,18 +64,18 @@ def _forbidden_publishes(role: Role, run: str) -> list[str]:
             subjects += [
                 f"$JS.API.DIRECT.GET.{s}",
                 f"$JS.API.CONSUMER.CREATE.{s}",
-                f"$JS.API.CONSUMER.CREATE.{s}.check.rl.{run}.>",
+                f"$JS.API.CONSUMER.CREATE.{s}.check.{SUBJECT_ROOT}.{run}.>",
                 f"$JS.API.CONSUMER.MSG.NEXT.{s}.check",
             ]
         else:
-            subjects.append(f"$JS.API.CONSUMER.CREATE.{s}.check.rl.{OTHER_RUN}.>")
+            subjects.append(f"$JS.API.CONSUMER.CREATE.{s}.check.{SUBJECT_ROOT}.{OTHER_RUN}.>")
     binds = {"samplers": Role.SAMPLER, "rewards": Role.REWARDS, "archiver": Role.ARCHIVER}
     for consumer in consumers_of_run(run):
         s, name = consumer.stream.name, consumer.name
         subjects += [
             f"$JS.API.CONSUMER.DELETE.{s}.{name}",
             f"$JS.API.CONSUMER.CREATE.{s}.{name}",
-            f"$JS.API.CONSUMER.CREATE.{s}.{name}.rl.{run}.>",
+            f"$JS.API.CONSUMER.CREATE.{s}.{name}.{SUBJECT_ROOT}.{run}.>",
             f"$JS.API.CONSUMER.DURABLE.CREATE.{s}.{name}",
         ]
         if binds[consumer.role.value] is not role:
@@ -89,14 +91,22 @@ def _forbidden_publishes(role: Role, run: str) -> list[str]:
 
 def _forbidden_subscriptions(role: Role, run: str) -> list[str]:
     other_inbox = inbox_prefix(Role.SAMPLER if role is not Role.SAMPLER else Role.REWARDS, run)
-    return [">", "rl.>", f"rl.{run}.>", "_INBOX.>", f"{other_inbox}.>", "$JS.API.>", "$JS.ACK.>"]
+    return [
+        ">",
+        f"{SUBJECT_ROOT}.>",
+        f"{SUBJECT_ROOT}.{run}.>",
+        "_INBOX.>",
+        f"{other_inbox}.>",
+        "$JS.API.>",
+        "$JS.ACK.>",
+    ]
 
 
 def _allowed_publishes(role: Role, run: str) -> list[str]:
     grant = GRANTS[role]
-    subjects = [f"rl.{run}.{kind.value}.check" for kind in grant.publishes if kind is not Kind.DEAD_LETTERS]
+    subjects = [f"{SUBJECT_ROOT}.{run}.{kind.value}.check" for kind in grant.publishes if kind is not Kind.DEAD_LETTERS]
     if Kind.DEAD_LETTERS in grant.publishes:
-        subjects += [f"rl.{run}.deadletter.{s.label}.1" for s in grant.reads]
+        subjects += [f"{SUBJECT_ROOT}.{run}.{Kind.DEAD_LETTERS.value}.{s.label}.1" for s in grant.reads]
     return subjects
 
 
@@ -104,7 +114,7 @@ def _allowed_requests(role: Role, run: str) -> list[tuple[str, bytes]]:
     requests: list[tuple[str, bytes]] = [("$JS.API.INFO", b"")]
     for stream in GRANTS[role].reads:
         s = stream.name
-        filter_subject = f"rl.{run}.>"
+        filter_subject = f"{SUBJECT_ROOT}.{run}.>"
         config = {
             "stream_name": s,
             "config": {"name": f"check-{secrets.token_hex(4)}", "filter_subject": filter_subject},
@@ -113,7 +123,7 @@ def _allowed_requests(role: Role, run: str) -> list[tuple[str, bytes]]:
         name = config["config"]["name"]
         requests += [
             (f"$JS.API.STREAM.INFO.{s}", b""),
-            (f"$JS.API.STREAM.MSG.GET.{s}", json.dumps({"last_by_subj": f"rl.{run}.check"}).encode()),
+            (f"$JS.API.STREAM.MSG.GET.{s}", json.dumps({"last_by_subj": f"{SUBJECT_ROOT}.{run}.check"}).encode()),
             (f"$JS.API.CONSUMER.CREATE.{s}.{name}.{filter_subject}", json.dumps(config).encode()),
             (f"$JS.API.CONSUMER.DELETE.{s}.{name}", b""),
         ]
