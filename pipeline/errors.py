@@ -124,8 +124,7 @@ class LogIdentityRefused(LogError):
     def __init__(self, reason: str):
         super().__init__(
             f"the log refused this worker's identity: {reason}",
-            hint="its join token was revoked or has expired: ask the run's owner for a new one "
-            "(`sprawl token create`)",
+            hint="its join token was revoked or has expired: ask the run's owner for a new one (`sprawl token create`)",
         )
 
 
