@@ -429,17 +429,23 @@ def _main():
         if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
         read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read_fd)
-            _child(write_fd)  # never returns: it ends in os._exit
-        os.close(write_fd)
         # The child shares our uid and may signal us: a catchable signal must not end us before the
         # record is written (SIGKILL and SIGSTOP cannot be helped: no record, or the wall timeout).
+        # Ignored before the fork, or a child that signals at once beats us to it; the child gets the
+        # usual handlers back before the candidate's code runs.
+        saved = {}
         for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGTSTP",
                      "SIGTTIN", "SIGTTOU", "SIGVTALRM", "SIGPROF", "SIGPOLL", "SIGPWR"):
             if hasattr(signal, name):
-                signal.signal(getattr(signal, name), signal.SIG_IGN)
+                number = getattr(signal, name)
+                saved[number] = signal.signal(number, signal.SIG_IGN)
+        pid = os.fork()
+        if pid == 0:
+            for number, handler in saved.items():
+                signal.signal(number, handler)
+            os.close(read_fd)
+            _child(write_fd)  # never returns: it ends in os._exit
+        os.close(write_fd)
         data, wait_status, overflowed = _collect(read_fd, pid, _INPUT["child_cap"])
         record = _verdict_record(data, wait_status, overflowed)
         encoded = _encode(record)
