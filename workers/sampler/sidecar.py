@@ -19,6 +19,7 @@ wanted version and Retry-After; engine down or no version yet: 503. Every respon
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections import Counter
@@ -30,7 +31,7 @@ from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
 from pipeline.version_signing import island_trust
 from schemas import SamplingParams, VersionConstraint
-from workers.lifecycle import stop_on_signals
+from workers.lifecycle import run_beside, stop_on_signals
 from workers.sampler.engines.base import EngineError, GenerateRequest, Sample
 from workers.sampler.island import Island, VersionUnreachable, build_island
 from workers.sampler.settings import HTTPSection as HTTPSection  # re-exported: they lived here
@@ -386,8 +387,11 @@ async def run_sidecar(settings: SidecarSettings) -> None:
     runner, port = await serve(Sidecar(island), settings.http.host, settings.http.port)
     log.info("sidecar listening", host=settings.http.host, port=port, view=settings.island.view)
     stop = stop_on_signals()
+    # A revoked or expired identity ends the sidecar with one line (as `run_connected` does for workers),
+    # instead of serving ever older weights behind a connection that can never come back.
+    watch = asyncio.create_task(event_log.wait_identity_refused())
     try:
-        await stop.wait()
+        await run_beside(stop.wait(), watch, stop, "the connection to the log")
     finally:
         await runner.cleanup()
         await island.stop()
