@@ -23,7 +23,7 @@ import re
 import socket
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats.errors
@@ -131,20 +131,15 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
     async def on_reconnected() -> None:
         log.info("nats reconnected", url=settings.url)
 
-    def refuse_identity(reason: str) -> None:
-        refusal = identity_refusal(nc)
-        if not refusal.is_set():
-            refusal.reason = reason
-            refusal.set()
-            log.error("the log refused this identity (revoked, expired or unknown)", error=reason)
+    watch = connection_watch(nc)
 
     async def on_error(exc: Exception) -> None:
         text = str(exc)
-        if any(marker in text.lower() for marker in _IDENTITY_REFUSED):
-            refuse_identity(text)
+        if _refuses_identity(text):
+            watch.refuse_identity(text)
             return
         if match := _PERMISSION_VIOLATION.search(text):
-            refused_subjects(nc).add(match.group(2))
+            watch.refused_subjects.add(match.group(2))
             log.error("the log refused this identity", operation=match.group(1), subject=match.group(2))
             return
         log.warning("nats client error", error=text)
@@ -153,15 +148,15 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
         # nats-py closes the client for good when a reconnect is refused for its credentials (the error
         # reaches `last_error`, not always the error callback): nobody closed it on purpose.
         cause = str(nc.last_error or "")
-        if not getattr(nc, "_sprawl_closing", False) and any(m in cause.lower() for m in _IDENTITY_REFUSED):
-            refuse_identity(cause)
+        if not watch.closing and _refuses_identity(cause):
+            watch.refuse_identity(cause)
 
     callbacks = {"disconnected_cb": on_disconnected, "reconnected_cb": on_reconnected, "closed_cb": on_closed}
     try:
         await nc.connect(error_cb=on_error, **callbacks, **options)
     except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
-        if identity_refusal(nc).is_set() or any(m in str(nc.last_error).lower() for m in _IDENTITY_REFUSED):
-            raise LogIdentityRefused(identity_refusal(nc).reason or str(nc.last_error)) from exc
+        if watch.identity_refused.is_set() or _refuses_identity(str(nc.last_error)):
+            raise LogIdentityRefused(watch.refusal_reason or str(nc.last_error)) from exc
         raise LogUnavailable(
             f"connecting to {settings.url} ({settings.connect_attempts} attempts per server)",
             exc,
@@ -178,29 +173,42 @@ _IDENTITY_REFUSED = ("authorization violation", "authentication expired", "authe
 """What nats-server says when it no longer accepts a client's credentials (a revoked or expired token)."""
 
 
-class IdentityRefusal(asyncio.Event):
-    """Set when the server refused this connection's identity: the client would reconnect forever with
-    credentials that can never work again, so the worker must end instead (`wait_identity_refused`)."""
-
-    reason = ""
+def _refuses_identity(text: str) -> bool:
+    return any(marker in text.lower() for marker in _IDENTITY_REFUSED)
 
 
-def identity_refusal(nc: NATS) -> IdentityRefusal:
-    refusal = getattr(nc, "_sprawl_identity_refusal", None)
-    if refusal is None:
-        refusal = IdentityRefusal()
-        nc._sprawl_identity_refusal = refusal  # type: ignore[attr-defined]
-    return refusal
+@dataclass
+class ConnectionWatch:
+    """What the server told one connection asynchronously: which publishes it refused (a refused publish
+    otherwise looks like a timeout), and whether it refused the identity itself (the client would then
+    reconnect forever with credentials that can never work again, so the worker must end instead)."""
+
+    refused_subjects: set[str] = field(default_factory=set)
+    """Lowercased, as the server reports them."""
+    identity_refused: asyncio.Event = field(default_factory=asyncio.Event)
+    refusal_reason: str = ""
+    closing: bool = False
+    """Closed on purpose (`EventLog.close`): a close is then no refusal."""
+
+    def refuse_identity(self, reason: str) -> None:
+        if not self.identity_refused.is_set():
+            self.refusal_reason = reason
+            self.identity_refused.set()
+            log.error("the log refused this identity (revoked, expired or unknown)", error=reason)
+
+
+def connection_watch(nc: NATS) -> ConnectionWatch:
+    """The watch of `nc`, kept on the client itself: the server's callbacks need it before any EventLog
+    wraps the connection, and tools that connect without one still get it."""
+    watch = getattr(nc, "_sprawl_watch", None)
+    if watch is None:
+        watch = ConnectionWatch()
+        nc._sprawl_watch = watch  # type: ignore[attr-defined]
+    return watch
 
 
 def refused_subjects(nc: NATS) -> set[str]:
-    """Subjects (lowercased, as the server reports them) this connection was refused: the server says so
-    asynchronously, and a refused publish otherwise looks like a timeout."""
-    refused = getattr(nc, "_sprawl_refused_subjects", None)
-    if refused is None:
-        refused = set()
-        nc._sprawl_refused_subjects = refused  # type: ignore[attr-defined]
-    return refused
+    return connection_watch(nc).refused_subjects
 
 
 def tls_context(ca_file: Path) -> ssl.SSLContext:
@@ -237,14 +245,14 @@ class EventLog:
 
     async def wait_identity_refused(self) -> None:
         """Return never; raise LogIdentityRefused once the server refuses this connection's credentials."""
-        refusal = identity_refusal(self.nc)
-        await refusal.wait()
-        raise LogIdentityRefused(refusal.reason)
+        watch = connection_watch(self.nc)
+        await watch.identity_refused.wait()
+        raise LogIdentityRefused(watch.refusal_reason)
 
     async def close(self) -> None:
         # Every publish and ack we make is awaited, so there is nothing in flight to drain; a drain
         # would wait out pending pull requests instead.
-        self.nc._sprawl_closing = True  # type: ignore[attr-defined]
+        connection_watch(self.nc).closing = True
         if not self.nc.is_closed:
             with contextlib.suppress(nats.errors.Error):
                 await self.nc.flush(timeout=2)
@@ -409,7 +417,7 @@ class EventLog:
                 if task is not None and task.cancelling():
                     # nats-py can turn our cancellation into a timeout: a stopping worker must stop.
                     raise asyncio.CancelledError from exc
-                if subject.lower() in refused_subjects(self.nc):
+                if subject.lower() in connection_watch(self.nc).refused_subjects:
                     raise LogPermissionRefused(subject) from exc
                 last_error = exc
             log.warning("append retry", subject=subject, attempt=attempt, error=type(last_error).__name__)
