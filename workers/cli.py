@@ -615,16 +615,12 @@ def _identity(command: str, settings: Any, reload: Callable[..., Any]) -> Any:
 
         settings = stack.with_role(settings, role)
     if role != "admin" and settings.trust.version_public_key is None and settings.trust.signing_key_file is None:
-        from workers.up.orchestrate import signing_key_path
+        from workers.up.orchestrate import run_trust, signing_key_path
 
-        key_file = signing_key_path(settings.state_dir)
-        if key_file.exists() and not settings.trust.allow_unsigned_versions:
-            from pipeline.version_signing import load_signing_key, public_key_text
-
-            trust = {"signing_key_file": key_file} if role == "trainer" else {}
-            if role != "trainer":
-                trust = {"version_public_key": public_key_text(load_signing_key(key_file))}
-            settings = settings.model_copy(update={"trust": settings.trust.model_copy(update=trust)})
+        # The key `sprawl up` made in this state folder, as `up` hands it out (never made here).
+        if signing_key_path(settings.state_dir).exists() and not settings.trust.allow_unsigned_versions:
+            trust = run_trust(settings)
+            settings = settings.model_copy(update={"trust": trust.signer if role == "trainer" else trust.verifier})
     return settings
 
 
