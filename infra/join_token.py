@@ -28,9 +28,10 @@ from infra.nats_auth import signal_reload
 from infra.nats_permissions import inbox_prefix
 from infra.pki import write_private
 from infra.roles import Role
+from infra.stack import admin_blobs
 from infra.stack_security import StackSecurity
 from infra.stack_state import StackStatus, stack_dir
-from pipeline.config import S3BlobSettings, SprawlSettings
+from pipeline.config import SprawlSettings
 from pipeline.errors import SprawlError
 from pipeline.logs import get_logger
 from schemas.join_token import JOIN_TOKEN_PREFIX, JoinS3, JoinToken
@@ -84,11 +85,6 @@ def _read_registry(directory: Path) -> dict[str, dict]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _admin_blobs(settings: SprawlSettings, st: StackStatus) -> S3BlobSettings:
-    blobs = settings.blobs if isinstance(settings.blobs, S3BlobSettings) else S3BlobSettings()
-    return blobs.model_copy(update={"endpoint_url": st.s3_endpoint})
-
-
 def create_token(
     settings: SprawlSettings,
     st: StackStatus,
@@ -119,7 +115,7 @@ def create_token(
     expires_at = int(now + ttl_s) if ttl_s else None
     identity = f"{role.value}-{token_id}"
     creds = security.issue(role, settings.run_id, token_id, expires_at=expires_at)
-    admin = _admin_blobs(settings, st)
+    admin = admin_blobs(settings, st)
     s3_key = s3_identities.add_token_identity(admin, role.value, settings.run_id, token_id)
     registry = _read_registry(directory)
     registry[token_id] = {
@@ -169,7 +165,7 @@ def revoke_expired(settings: SprawlSettings, st: StackStatus) -> list[str]:
     now = time.time()
     expired = [tid for tid, e in registry.items() if e["expires_at"] and e["expires_at"] <= now and not e["revoked_at"]]
     for token_id in expired:
-        s3_identities.revoke_token_identity(_admin_blobs(settings, st), token_id)
+        s3_identities.revoke_token_identity(admin_blobs(settings, st), token_id)
         registry[token_id]["revoked_at"] = int(now)
         log.info("expired join token's S3 identity deleted", token_id=token_id)
     if expired:
@@ -189,7 +185,7 @@ def revoke_token(settings: SprawlSettings, st: StackStatus, token_id: str) -> li
     security.write_auth_conf()
     signal_reload(st.server("nats").pid)
     done = [f"NATS user {entry['nats_user'][:12]}… revoked (nats-server reloaded)"]
-    if s3_identities.revoke_token_identity(_admin_blobs(settings, st), token_id):
+    if s3_identities.revoke_token_identity(admin_blobs(settings, st), token_id):
         done.append(f"S3 identity {entry['s3_identity']} deleted")
     entry["revoked_at"] = int(time.time())
     write_private(_registry(directory), json.dumps(registry, indent=1).encode())

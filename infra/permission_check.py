@@ -20,12 +20,12 @@ from pathlib import Path
 import nats
 import nats.errors
 
-from infra import s3_identities
+from infra import s3_identities, stack
 from infra.nats_permissions import inbox_prefix
 from infra.roles import GRANTS, WORKER_ROLES, Role
 from infra.stack_security import StackSecurity
 from infra.stack_state import StackStatus
-from pipeline.config import S3BlobSettings, SprawlSettings
+from pipeline.config import SprawlSettings
 from pipeline.errors import StackError
 from pipeline.topology import STREAMS, SUBJECT_ROOT, Kind, consumers_of_run, follower_name
 
@@ -239,8 +239,7 @@ def check_stack_permissions(settings: SprawlSettings, st: StackStatus) -> tuple[
         )
     security = StackSecurity(Path(st.state_dir) / "stack")
     log_attempts = asyncio.run(nats_permission_matrix(security, st.nats_url))
-    admin = settings.blobs if isinstance(settings.blobs, S3BlobSettings) else S3BlobSettings()
-    admin = admin.model_copy(update={"endpoint_url": st.s3_endpoint})
+    admin = stack.admin_blobs(settings, st)
     run = f"permcheck-{secrets.token_hex(4)}"
     roles = list(WORKER_ROLES)
     creds = {}

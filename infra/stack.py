@@ -40,7 +40,7 @@ from infra.stack_repair import repair
 from infra.stack_security import StackSecurity
 from infra.stack_settings import BucketName, StackSection, StackSettings, s3_settings
 from infra.stack_state import StackStatus, read_state, stack_dir, state_file, write_state
-from pipeline.config import SettingsT, SprawlSettings
+from pipeline.config import S3BlobSettings, SettingsT, SprawlSettings
 from pipeline.errors import StackError
 from pipeline.logs import get_logger
 
@@ -54,6 +54,7 @@ __all__ = [
     "StackSection",
     "StackSettings",
     "StackStatus",
+    "admin_blobs",
     "dead_servers",
     "down",
     "port_is_free",
@@ -189,6 +190,13 @@ def with_endpoints(settings: SettingsT, st: StackStatus, role: Role | str = Role
             )
         update["blobs"] = blobs
     return settings.model_copy(update=update)
+
+
+def admin_blobs(settings: SprawlSettings, st: StackStatus) -> S3BlobSettings:
+    """The running stack's S3 as its admin: the configured S3 credentials (the defaults when the run's
+    blobs are a folder), pointed at its endpoint, pinned to its CA."""
+    as_s3 = settings.model_copy(update={"blobs": s3_settings(settings)})
+    return with_endpoints(as_s3, st).blobs
 
 
 def with_role(settings: SettingsT, role: Role | str) -> SettingsT:
