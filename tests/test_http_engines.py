@@ -1,21 +1,30 @@
 """vLLM / SGLang adapters: requests and responses mapped per the engines' documented schemas.
 
 The real engines need GPUs (see tests/test_gpu_engines.py and infra/gpu_check.sh); here the
-pure mappers are checked against bodies written from the documented formats, and the SGLang
-adapter's call sequence against a small HTTP server that answers in those formats.
+pure mappers are checked against bodies written from the documented formats, and the adapters'
+call sequences and weight loads against small HTTP servers that answer in those formats and
+record what they were sent (for a load: the tensors in the directory, read while it exists).
 """
 
 import base64
 import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from aiohttp import web
+from safetensors import safe_open
 
+from pipeline.keyframe import write_checkpoint
 from schemas import SamplingParams
-from workers.sampler.engines.base import GenerateRequest
+from workers.sampler.engines.base import EngineError, GenerateRequest
+from workers.sampler.engines.http_base import EngineUnreachable
+from workers.sampler.engines.partial_checkpoint import PARTIAL_PREFIX
 from workers.sampler.engines.sglang import SGLangEngine, sglang_generate_payload, sglang_samples
-from workers.sampler.engines.vllm import vllm_generate_payload, vllm_samples
+from workers.sampler.engines.vllm import VLLMEngine, vllm_generate_payload, vllm_samples
 
 REQUEST = GenerateRequest(
     prompt_token_ids=[1, 2, 3],
@@ -149,58 +158,379 @@ def test_vllm_completion_style_logprobs_and_no_spans():
     assert s.kept_ids is None and s.routed_experts is None
 
 
-@pytest.fixture
-async def fake_sglang(tmp_path):
-    """An HTTP server answering like SGLang's documented routes, recording the call order."""
-    calls: list[str] = []
-    state = {"version": "0"}
+# ---------------------------------------------------------------- fake servers and a small version
 
-    async def handle(request: web.Request) -> web.Response:
-        calls.append(request.path)
-        body = await request.json() if request.can_read_body else {}
-        if request.path == "/server_info":
-            return web.json_response(
-                {"version": "0.5.9", "server_args": {"enable_return_routed_experts": True, "attention_backend": "fa3"}}
-            )
-        if request.path == "/model_info":
-            return web.json_response({"model_path": "x", "weight_version": state["version"]})
-        if request.path == "/update_weights_from_disk":
-            state["version"] = body["weight_version"]
-            return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
-        if request.path == "/generate":
-            n = len(body["input_ids"]) if isinstance(body["input_ids"][0], list) else 1
-            return web.json_response([_sglang_item([5, 6, 7, 8]) for _ in range(n)])
-        return web.json_response({"status": "ok"})
+MODEL_CONFIG = {"num_hidden_layers": 2, "num_experts": 3, "num_experts_per_tok": 2}
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    """A small MoE checkpoint in the served layout: big embeddings, two layers of three experts."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": rand(256, 16), "lm_head.weight": rand(256, 16)}
+    tensors["model.norm.weight"] = rand(16)
+    for layer in range(2):
+        prefix = f"model.layers.{layer}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            tensors[f"{prefix}.self_attn.{proj}.weight"] = rand(16, 16)
+        tensors[f"{prefix}.mlp.gate.weight"] = rand(3, 16)
+        for expert in range(3):
+            for proj in PROJECTIONS:
+                tensors[f"{prefix}.mlp.experts.{expert}.{proj}.weight"] = (
+                    rand(8, 16) if proj != "down_proj" else rand(16, 8)
+                )
+    return tensors
+
+
+def _version(root: Path, name: str, seed: int = 0, config: dict | None = None) -> Path:
+    path = root / name
+    write_checkpoint(path, _tensors(seed), config or MODEL_CONFIG, max_shard_bytes=4096)
+    return path
+
+
+def _read_directory(directory: Path) -> dict[str, bytes]:
+    """Every tensor a directory holds, as raw bytes (what an engine's disk loader would iterate)."""
+    out = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                out[name] = f.get_tensor(name).contiguous().view(torch.uint8).numpy().tobytes()
+    return out
+
+
+@dataclass
+class Loads:
+    """What a fake engine was asked to load: per update, the directory and the tensors in it."""
+
+    calls: list[str] = field(default_factory=list)
+    updates: list[dict] = field(default_factory=list)
+    directories: list[Path] = field(default_factory=list)
+    tensors: list[dict[str, bytes]] = field(default_factory=list)
+
+    def record(self, body: dict, directory: Path) -> None:
+        self.updates.append(body)
+        self.directories.append(directory)
+        self.tensors.append(_read_directory(directory))
+
+
+async def _serve(handle):
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handle)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    model_dir = tmp_path / "v1"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text('{"num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2}')
-    yield f"http://127.0.0.1:{port}", calls, model_dir
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+@dataclass
+class FakeSGLang:
+    """Answers like SGLang's routes. `refuse` says which disk updates fail as SGLang reports a failed
+    one (HTTP 400, `success: false`): "none", "partial" (any directory but a version's own), "all";
+    "drop" closes the connection on a partial update without answering."""
+
+    url: str = ""
+    loads: Loads = field(default_factory=Loads)
+    server_args: dict = field(
+        default_factory=lambda: {"enable_return_routed_experts": True, "attention_backend": "fa3"}
+    )
+    refuse: str = "none"
+    answer: dict | None = None
+    version: str = "0"
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.loads.calls.append(request.path)
+        body = await request.json() if request.can_read_body else {}
+        if request.path == "/server_info":
+            return web.json_response({"version": "0.5.23", "server_args": self.server_args})
+        if request.path == "/model_info":
+            return web.json_response({"model_path": "x", "weight_version": self.version})
+        if request.path == "/update_weights_from_disk":
+            directory = Path(body["model_path"])
+            self.loads.record(body, directory)
+            partial = directory.name.startswith(PARTIAL_PREFIX)
+            if partial and self.refuse == "drop":
+                request.transport.close()
+                return web.Response()
+            if self.refuse == "all" or (self.refuse == "partial" and partial):
+                return web.json_response(
+                    {"success": False, "message": "missing weights", "num_paused_requests": 0}, status=400
+                )
+            if self.answer is not None:
+                return web.json_response(self.answer)
+            self.version = body["weight_version"]
+            return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+        if request.path == "/update_weight_version":
+            self.version = body["new_version"]
+        if request.path == "/generate":
+            n = len(body["input_ids"]) if isinstance(body["input_ids"][0], list) else 1
+            return web.json_response([_sglang_item([5, 6, 7, 8]) for _ in range(n)])
+        return web.json_response({"status": "ok"})
+
+
+@pytest.fixture
+async def fake_sglang():
+    fake = FakeSGLang()
+    runner, fake.url = await _serve(fake.handle)
+    yield fake
     await runner.cleanup()
 
 
-async def test_sglang_adapter_probes_commits_and_generates(fake_sglang):
-    url, calls, model_dir = fake_sglang
-    engine = SGLangEngine(url)
+@pytest.fixture
+async def sglang(fake_sglang):
+    engine = SGLangEngine(fake_sglang.url)
     await engine.start()
-    caps = await engine.capabilities()
-    assert caps.routed_experts and caps.sampling_mask and caps.version_spans and caps.engine_version == "0.5.9"
-    assert engine.weight_version() == 0
-    pause = await engine.load_weights(model_dir, 1)
-    assert pause >= 0 and engine.weight_version() == 1
-    commit = calls[calls.index("/pause_generation") :]
-    assert commit[:3] == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
-    samples = await engine.generate(REQUEST)
+    yield engine
+    await engine.shutdown()
+
+
+def _partials_left(root: Path) -> list[Path]:
+    return list(root.glob(f"{PARTIAL_PREFIX}*"))
+
+
+# ---------------------------------------------------------------- SGLang
+
+
+async def test_sglang_adapter_probes_commits_and_generates(fake_sglang, sglang, tmp_path):
+    caps = await sglang.capabilities()
+    assert caps.routed_experts and caps.sampling_mask and caps.version_spans and caps.engine_version == "0.5.23"
+    assert caps.load_changed_tensors  # unquantized, CUDA, default MoE runner
+    assert sglang.weight_version() == 0
+    model_dir = _version(tmp_path, "v1")
+    pause = await sglang.load_weights(model_dir, 1)
+    assert pause >= 0 and sglang.weight_version() == 1
+    calls = fake_sglang.loads.calls
+    assert calls[calls.index("/pause_generation") :][:3] == [
+        "/pause_generation",
+        "/update_weights_from_disk",
+        "/continue_generation",
+    ]
+    assert fake_sglang.loads.directories == [model_dir]
+    samples = await sglang.generate(REQUEST)
     assert len(samples) == 2 and samples[0].version_spans[-1].version == 4
     assert np.array(samples[0].routed_experts).shape == (6, 2, 2)
-    await engine.set_weight_version(2)
-    assert engine.weight_version() == 2 and calls[-1] == "/update_weight_version"
-    assert await engine.health()
+    await sglang.set_weight_version(2)
+    assert sglang.weight_version() == 2 and calls[-1] == "/update_weight_version"
+    assert await sglang.health()
+
+
+async def test_sglang_loads_only_the_changed_tensors_and_what_must_change_with_them(fake_sglang, sglang, tmp_path):
+    await sglang.load_weights(_version(tmp_path, "v0"), 0)
+    v1 = _version(tmp_path, "v1", seed=1)
+    changed = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.2.up_proj.weight"]
+    await sglang.load_weights(v1, 1, changed)
+
+    sent_to, sent = fake_sglang.loads.directories[-1], fake_sglang.loads.tensors[-1]
+    fused_layer = {f"model.layers.1.mlp.experts.{e}.{p}.weight" for e in range(3) for p in PROJECTIONS}
+    assert set(sent) == {changed[0]} | fused_layer  # a fused expert layer goes whole
+    source = _read_directory(v1)
+    assert all(sent[name] == source[name] for name in sent)  # bit for bit
+    assert sent_to.parent == v1.parent and sent_to != v1
+    assert json.loads((v1 / "config.json").read_text()) == MODEL_CONFIG  # the version is untouched
+    assert not _partials_left(tmp_path)  # removed after the load
+    assert fake_sglang.loads.updates[-1]["weight_version"] == "1"
+    assert fake_sglang.loads.calls[-3:] == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+    assert sglang.weight_version() == 1 and (await sglang.capabilities()).load_changed_tensors
+
+
+async def test_sglang_refused_partial_update_falls_back_to_the_whole_version(fake_sglang, sglang, tmp_path):
+    """A partial update SGLang refuses may have applied some tensors already: the whole version is
+    loaded within the same pause, and partial updates are not tried on that server again."""
+    fake_sglang.refuse = "partial"
+    await sglang.load_weights(_version(tmp_path, "v0"), 0)
+    v1 = _version(tmp_path, "v1", seed=1)
+    await sglang.load_weights(v1, 1, ["model.norm.weight"])
+    assert set(fake_sglang.loads.tensors[-2]) == {"model.norm.weight"}
+    assert fake_sglang.loads.directories[-1] == v1 and set(fake_sglang.loads.tensors[-1]) == set(_tensors(1))
+    assert fake_sglang.loads.calls[-4:] == [
+        "/pause_generation",
+        "/update_weights_from_disk",
+        "/update_weights_from_disk",
+        "/continue_generation",
+    ]
+    assert sglang.weight_version() == 1 and not _partials_left(tmp_path)
+    assert not (await sglang.capabilities()).load_changed_tensors
+
+    v2 = _version(tmp_path, "v2", seed=2)
+    await sglang.load_weights(v2, 2, ["model.norm.weight"])
+    assert fake_sglang.loads.directories[-2:] == [v1, v2]  # straight to the whole version
+
+
+async def test_sglang_refusing_partial_and_whole_is_a_clear_error_and_keeps_the_version(fake_sglang, sglang, tmp_path):
+    await sglang.load_weights(_version(tmp_path, "v0"), 0)
+    fake_sglang.refuse = "all"
+    with pytest.raises(EngineError, match="partly updated") as refused:
+        await sglang.load_weights(_version(tmp_path, "v1", seed=1), 1, ["model.norm.weight"])
+    assert not refused.value.retryable and "missing weights" in str(refused.value)
+    assert sglang.weight_version() == 0
+    assert fake_sglang.loads.calls[-1] == "/continue_generation"  # requests are not left paused
+    assert not _partials_left(tmp_path)
+
+
+async def test_sglang_refused_whole_version_is_an_error_and_keeps_the_version(fake_sglang, sglang, tmp_path):
+    await sglang.load_weights(_version(tmp_path, "v0"), 0)
+    fake_sglang.refuse = "all"
+    with pytest.raises(EngineError, match=r"sglang refused \S*/v1: .*HTTP 400.*missing weights"):
+        await sglang.load_weights(_version(tmp_path, "v1", seed=1), 1)
+    assert sglang.weight_version() == 0 and fake_sglang.loads.calls[-1] == "/continue_generation"
+
+
+async def test_sglang_answer_without_success_is_a_refusal(fake_sglang, sglang, tmp_path):
+    fake_sglang.answer = {"message": "queued"}
+    with pytest.raises(EngineError, match="queued"):
+        await sglang.load_weights(_version(tmp_path, "v0"), 0)
+    assert sglang.weight_version() == 0
+
+
+async def test_sglang_no_answer_to_a_partial_update_is_not_taken_for_a_refusal(fake_sglang, sglang, tmp_path):
+    """Without an answer the engine may still be applying the partial update: loading the whole
+    version over it would race it, so the load fails as unreachable (retryable) instead."""
+    await sglang.load_weights(_version(tmp_path, "v0"), 0)
+    fake_sglang.refuse = "drop"
+    updates = fake_sglang.loads.calls.count("/update_weights_from_disk")
+    with pytest.raises(EngineUnreachable):
+        await sglang.load_weights(_version(tmp_path, "v1", seed=1), 1, ["model.norm.weight"])
+    assert fake_sglang.loads.calls.count("/update_weights_from_disk") == updates + 1
+    assert sglang.weight_version() == 0 and (await sglang.capabilities()).load_changed_tensors
+    assert not _partials_left(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("why", "server_args", "config", "changed"),
+    [
+        ("fp8 server", {"quantization": "fp8"}, MODEL_CONFIG, ["model.norm.weight"]),
+        ("re-shuffling MoE runner", {"moe_runner_backend": "flashinfer_trtllm"}, MODEL_CONFIG, ["model.norm.weight"]),
+        (
+            "quantized version",
+            {},
+            {**MODEL_CONFIG, "quantization_config": {"quant_method": "fp8"}},
+            ["model.norm.weight"],
+        ),
+        ("most bytes changed", {}, MODEL_CONFIG, ["model.embed_tokens.weight", "lm_head.weight"]),
+        ("names not in the version", {}, MODEL_CONFIG, ["model.layers.9.mlp.gate.weight"]),
+        ("no changed list", {}, MODEL_CONFIG, None),
+    ],
+)
+async def test_sglang_loads_the_whole_version_when_a_partial_one_is_unsafe(
+    fake_sglang, sglang, tmp_path, why, server_args, config, changed
+):
+    fake_sglang.server_args = {**fake_sglang.server_args, **server_args}
+    await sglang.load_weights(_version(tmp_path, "v0", config=config), 0)
+    v1 = _version(tmp_path, "v1", seed=1, config=config)
+    await sglang.load_weights(v1, 1, changed)
+    assert fake_sglang.loads.directories[-1] == v1, why
+    assert set(fake_sglang.loads.tensors[-1]) == set(_tensors(1))
+    assert sglang.weight_version() == 1 and not _partials_left(tmp_path)
+
+
+async def test_sglang_nothing_changed_relabels_without_loading(fake_sglang, sglang, tmp_path):
+    await sglang.load_weights(_version(tmp_path, "v0"), 0)
+    await sglang.load_weights(_version(tmp_path, "v1"), 1, [])
+    assert fake_sglang.loads.calls.count("/update_weights_from_disk") == 1
+    assert fake_sglang.loads.calls[-1] == "/update_weight_version" and fake_sglang.version == "1"
+    assert sglang.weight_version() == 1
+
+
+async def test_sglang_partial_copies_left_by_a_killed_process_are_swept(fake_sglang, sglang, tmp_path):
+    stale = tmp_path / f"{PARTIAL_PREFIX}stale"
+    stale.mkdir()
+    (stale / "model-00001-of-00001.safetensors").write_bytes(b"half written")
+    await sglang.load_weights(_version(tmp_path, "v0"), 0)
+    await sglang.load_weights(_version(tmp_path, "v1", seed=1), 1, ["model.norm.weight"])
+    assert not _partials_left(tmp_path)
+
+
+async def test_sglang_no_room_for_the_partial_copy_loads_the_whole_version(fake_sglang, sglang, tmp_path, monkeypatch):
+    import errno
+
+    import workers.sampler.engines.sglang as sglang_module
+
+    def no_room(directory, names):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sglang_module, "write_partial_checkpoint", no_room)
+    await sglang.load_weights(_version(tmp_path, "v0"), 0)
+    v1 = _version(tmp_path, "v1", seed=1)
+    await sglang.load_weights(v1, 1, ["model.norm.weight"])
+    assert fake_sglang.loads.directories[-1] == v1 and sglang.weight_version() == 1
+
+
+# ---------------------------------------------------------------- vLLM
+
+
+@dataclass
+class FakeVLLM:
+    """Answers like vLLM's dev-mode RLHF routes with the shared-disk backend; `refuse` makes
+    `/update_weights` fail as vLLM does when the backend raises (HTTP 500)."""
+
+    url: str = ""
+    loads: Loads = field(default_factory=Loads)
+    refuse: bool = False
+    version: str = "0"
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.loads.calls.append(request.path)
+        body = await request.json() if request.can_read_body else {}
+        if request.path == "/version":
+            return web.json_response({"version": "0.33.0"})
+        if request.path == "/weight_info":
+            return web.json_response({"weight_version": self.version})
+        if request.path == "/inference/v1/generate":
+            return web.json_response(
+                {"choices": [{"index": 0, "token_ids": [5], "finish_reason": "length", "logprobs": None}]}
+            )
+        if request.path == "/update_weights":
+            self.loads.record(body, Path(body["update_info"]["path"]))
+            if self.refuse:
+                return web.json_response(
+                    {"error": "Following weights were not initialized from checkpoint"}, status=500
+                )
+        if request.path == "/finish_weight_update":
+            self.version = body["weight_version"]
+        return web.json_response({"message": "ok"})
+
+
+@pytest.fixture
+async def vllm(tmp_path):
+    fake = FakeVLLM()
+    runner, fake.url = await _serve(fake.handle)
+    engine = VLLMEngine(fake.url)
+    await engine.start()
+    yield engine, fake
     await engine.shutdown()
+    await runner.cleanup()
+
+
+async def test_vllm_always_loads_the_whole_version(vllm, tmp_path):
+    """vLLM's disk backend takes a path to a complete checkpoint and nothing else: even told what
+    changed, the adapter sends the version's own directory, whole."""
+    engine, fake = vllm
+    assert not (await engine.capabilities()).load_changed_tensors
+    await engine.load_weights(_version(tmp_path, "v0"), 0)
+    v1 = _version(tmp_path, "v1", seed=1)
+    await engine.load_weights(v1, 1, ["model.norm.weight"])
+    assert fake.loads.updates[-1] == {"update_info": {"path": str(v1)}}
+    assert set(fake.loads.tensors[-1]) == set(_tensors(1))
+    assert fake.loads.calls[-5:] == [
+        "/pause",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/resume",
+    ]
+    assert fake.version == "1" and engine.weight_version() == 1
+    assert not _partials_left(tmp_path)
+
+
+async def test_vllm_refused_update_is_an_error_and_keeps_the_version(vllm, tmp_path):
+    engine, fake = vllm
+    await engine.load_weights(_version(tmp_path, "v0"), 0)
+    fake.refuse = True
+    with pytest.raises(EngineError, match="not initialized from checkpoint"):
+        await engine.load_weights(_version(tmp_path, "v1", seed=1), 1)
+    assert engine.weight_version() == 0 and fake.version == "0"
+    assert fake.loads.calls[-3:] == ["/start_weight_update", "/update_weights", "/resume"]  # never finished

@@ -33,6 +33,11 @@ def finish_reason(value: Any) -> str:
     return {"stop": "stop", "length": "length", "abort": "abort"}.get(str(kind), "stop")
 
 
+class EngineUnreachable(EngineUnavailable):
+    """No HTTP answer at all (connection refused, reset, timed out): nothing is known about what the
+    engine did with the request, so it is never taken for a refusal."""
+
+
 class HTTPEngine:
     engine = ""
 
@@ -59,9 +64,14 @@ class HTTPEngine:
                     raise EngineUnavailable(f"{self.engine} {path}: HTTP {response.status}: {text[:300]}")
                 if response.status >= 400:
                     raise EngineError(f"{self.engine} {path}: HTTP {response.status}: {text[:300]}")
-                return json.loads(text) if text.strip().startswith(("{", "[")) else text
-        except aiohttp.ClientError as exc:
-            raise EngineUnavailable(f"{self.engine} at {self.url} is unreachable: {exc}") from exc
+                if not text.strip().startswith(("{", "[")):
+                    return text
+                try:
+                    return json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise EngineError(f"{self.engine} {path}: malformed JSON answer: {text[:300]!r}") from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:  # aiohttp's timeout is asyncio's TimeoutError
+            raise EngineUnreachable(f"{self.engine} at {self.url} is unreachable: {exc}") from exc
 
     async def start(self) -> None:
         await self._http()

@@ -1,5 +1,24 @@
 """vLLM adapter: drive vLLM's own HTTP server (tokens-in/tokens-out generate, the disk
-weight-transfer flow), map its answers into `Sample`."""
+weight-transfer flow), map its answers into `Sample`.
+
+Always the whole version. The dev-mode RLHF routes (vllm/entrypoints/serve/dev/rlhf/api_router.py:
+`/start_weight_update`, `/update_weights` with `{"update_info": {...}}`, `/finish_weight_update`)
+hand `update_info` to the configured weight-transfer backend, which builds its typed update info
+with `update_info_cls(**update_info)` (`WeightTransferEngine.parse_update_info`, vllm/distributed/
+weight_transfer/base.py): an unknown key such as a list of names is refused. The shared-disk
+backend's update info is `{"path"}` alone (`DiskWeightTransferUpdateInfo`, vllm/distributed/
+weight_transfer/disk_engine.py) and it reloads "one complete safetensors checkpoint": it loads with
+`enable_weights_track`, so `DefaultModelLoader.track_weights_loading` raises "Following weights were
+not initialized from checkpoint" for a directory holding only some tensors, and under the layerwise
+reload (vllm/model_executor/model_loader/reload/layerwise.py) a fused layer given only some of its
+parts (q without k and v, gate without up) would be rebuilt with the rest uninitialized. The
+backends that do take named subsets (`nccl`, `sparse_nccl`, `ipc`) carry the tensors themselves
+over NCCL or CUDA IPC from a process on the engine's GPUs, which an island driving the server over
+HTTP is not. vLLM's main branch also documents a `sparse_disk` backend (docs.vllm.ai/en/latest/
+training/weight_updates/engines/sparse_disk/) fed with flat-index patches written by vLLM's own
+trainer-side engine, not with a directory or names, and it still copies each worker's whole part
+into the model. So `load_changed_tensors` is False and `changed` is not sent.
+"""
 
 from __future__ import annotations
 
@@ -109,7 +128,7 @@ class VLLMEngine(HTTPEngine):
             engine="vllm",
             engine_version=str(version.get("version", "")) if isinstance(version, dict) else "",
             load_from_disk=True,
-            load_changed_tensors=False,
+            load_changed_tensors=False,  # no HTTP route of vLLM loads a subset: see the module docstring
             pause=True,
             flush_cache=True,
             top_logprobs=bool(choice.get("logprobs")),
@@ -137,7 +156,8 @@ class VLLMEngine(HTTPEngine):
         await self._request("POST", "/abort_requests", json={"request_ids": [request_id]})
 
     async def load_weights(self, path: Path, version: int, changed: list[str] | None = None) -> float:
-        """Pause (keeping requests), the disk weight-transfer flow, stamp the version, resume."""
+        """Pause (keeping requests), the disk weight-transfer flow on the whole directory (`changed`
+        cannot be passed on: see the module docstring), stamp the version, resume."""
         self._read_shape(path)
         t0 = time.perf_counter()
         await self.pause()
