@@ -2,12 +2,14 @@
 engines on a tiny keyframe and sets SPRAWL_TEST_MODEL_DIR, SPRAWL_TEST_SGLANG_URL, SPRAWL_TEST_VLLM_URL.
 """
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from pipeline.keyframe import load_shard, read_weight_map, write_checkpoint
 from schemas import SamplingParams
 from workers.sampler.engines.base import GenerateRequest
 from workers.sampler.engines.reference import ReferenceEngine
@@ -18,6 +20,11 @@ pytestmark = pytest.mark.gpu
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, logprobs_top_k=8)
 REQUEST = GenerateRequest(prompt_token_ids=[1, 17, 42, 99, 7], n=2, sampling=SAMPLING, seed=3)
+GREEDY = GenerateRequest(
+    prompt_token_ids=[1, 17, 42, 99, 7],
+    n=1,
+    sampling=SamplingParams(temperature=0.0, max_new_tokens=16, logprobs_top_k=1),
+)
 
 
 def _env(name: str) -> str:
@@ -70,3 +77,50 @@ async def test_weight_commit_changes_the_version(engine):
     samples = await engine.generate(REQUEST)
     assert all(s.version_spans[-1].version == 1 for s in samples)
     await engine.load_weights(model_dir / "v0", 0)
+
+
+def _partly_changed_version(model_dir: Path, names: list[str]) -> Path:
+    """v0 with `names` taken from v1: a version in which only those tensors changed."""
+    v0, v1 = model_dir / "v0", model_dir / "v1"
+    weight_map = read_weight_map(v0)
+    tensors = {}
+    for shard in sorted(set(weight_map.values())):
+        tensors |= load_shard(v0 / shard)
+    for shard in sorted({read_weight_map(v1)[n] for n in names}):
+        tensors |= {n: t for n, t in load_shard(v1 / shard).items() if n in names}
+    path = model_dir / "v0-partly-changed"
+    write_checkpoint(path, tensors, json.loads((v0 / "config.json").read_text()), weight_map=weight_map)
+    return path
+
+
+async def test_sglang_partial_load_serves_what_a_full_load_serves():
+    """A real SGLang takes the partial copy (the adapter does not fall back) and then serves exactly
+    what it serves after loading the same version whole."""
+    model_dir = Path(_env("SPRAWL_TEST_MODEL_DIR"))
+    engine = SGLangEngine(_env("SPRAWL_TEST_SGLANG_URL"))
+    await engine.start()
+    try:
+        assert (await engine.capabilities()).load_changed_tensors
+        names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight"]
+        changed_version = _partly_changed_version(model_dir, names)
+        await engine.load_weights(model_dir / "v0", 0)
+        await engine.load_weights(changed_version, 10, names)
+        assert (await engine.capabilities()).load_changed_tensors  # accepted, not answered by a full load
+        partly = await engine.generate(GREEDY)
+        await engine.load_weights(changed_version, 11)
+        whole = await engine.generate(GREEDY)
+        assert partly[0].output_token_ids == whole[0].output_token_ids
+        assert (torch.tensor(partly[0].raw_logprobs) - torch.tensor(whole[0].raw_logprobs)).abs().max() < 1e-3
+        assert partly[0].version_spans[-1].version == 10 and whole[0].version_spans[-1].version == 11
+        await engine.load_weights(model_dir / "v0", 0)
+    finally:
+        await engine.shutdown()
+
+
+async def test_vllm_never_claims_partial_loads():
+    engine = VLLMEngine(_env("SPRAWL_TEST_VLLM_URL"))
+    await engine.start()
+    try:
+        assert not (await engine.capabilities()).load_changed_tensors
+    finally:
+        await engine.shutdown()

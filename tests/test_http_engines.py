@@ -22,7 +22,12 @@ from pipeline.keyframe import write_checkpoint
 from schemas import SamplingParams
 from workers.sampler.engines.base import EngineError, GenerateRequest
 from workers.sampler.engines.http_base import EngineUnreachable
-from workers.sampler.engines.partial_checkpoint import PARTIAL_PREFIX
+from workers.sampler.engines.partial_checkpoint import (
+    PARTIAL_PREFIX,
+    choose_tensors,
+    remove_partial_checkpoint,
+    write_partial_checkpoint,
+)
 from workers.sampler.engines.sglang import SGLangEngine, sglang_generate_payload, sglang_samples
 from workers.sampler.engines.vllm import VLLMEngine, vllm_generate_payload, vllm_samples
 
@@ -457,6 +462,36 @@ async def test_sglang_no_room_for_the_partial_copy_loads_the_whole_version(fake_
     v1 = _version(tmp_path, "v1", seed=1)
     await sglang.load_weights(v1, 1, ["model.norm.weight"])
     assert fake_sglang.loads.directories[-1] == v1 and sglang.weight_version() == 1
+
+
+def test_partial_copy_keeps_fp8_weights_with_their_scales_bit_for_bit(tmp_path):
+    """The partial copy itself: a block-fp8 weight travels with its `_scale_inv` whichever of the two
+    changed, and the copied bits are the version's bits."""
+    tensors = _tensors(0)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    tensors[q] = (torch.randn(16, 16) * 3).to(torch.float8_e4m3fn)
+    tensors[q + "_scale_inv"] = torch.rand(1, 1)
+    write_checkpoint(tmp_path / "v3", tensors, MODEL_CONFIG, max_shard_bytes=4096)
+    for changed in ([q], [q + "_scale_inv"]):
+        choice = choose_tensors(tmp_path / "v3", changed)
+        assert choice.names == {q, q + "_scale_inv"}
+        partial = write_partial_checkpoint(tmp_path / "v3", choice.names)
+        copied, source = _read_directory(partial), _read_directory(tmp_path / "v3")
+        assert copied == {name: source[name] for name in choice.names}
+        assert sum(len(b) for b in copied.values()) == choice.nbytes
+        remove_partial_checkpoint(partial)
+    assert not _partials_left(tmp_path)
+
+
+async def test_sglang_index_naming_missing_tensors_loads_the_whole_version(fake_sglang, sglang, tmp_path):
+    """An index that names tensors no shard holds cannot be sized: no partial copy is guessed at."""
+    await sglang.load_weights(_version(tmp_path, "v0"), 0)
+    v1 = _version(tmp_path, "v1", seed=1)
+    index = json.loads((v1 / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.0.mlp.ghost.weight"] = next(iter(index["weight_map"].values()))
+    (v1 / "model.safetensors.index.json").write_text(json.dumps(index))
+    await sglang.load_weights(v1, 1, ["model.norm.weight"])
+    assert fake_sglang.loads.directories[-1] == v1 and not _partials_left(tmp_path)
 
 
 # ---------------------------------------------------------------- vLLM
