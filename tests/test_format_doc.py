@@ -298,12 +298,17 @@ def _example_checkpoint(tmp_path: Path, view: str) -> Path:
     from pipeline.views import get_view
 
     state = {name: torch.tensor(values, dtype=torch.float32) for name, values in EXAMPLE_STATE.items()}
-    write_checkpoint(tmp_path, get_view(view).compute(state), {"model_type": "tiny", **get_view(view).config_overrides()})
+    write_checkpoint(
+        tmp_path, get_view(view).compute(state), {"model_type": "tiny", **get_view(view).config_overrides()}
+    )
     return tmp_path
 
 
 def test_xxh3_test_vectors_are_xxh3_128():
-    vectors = dict(re.fullmatch(r'xxh3_128\("(.*)"\)\s+= ([0-9a-f]{32})', line).groups() for line in doc_block("xxh3-vectors").splitlines())
+    vectors = dict(
+        re.fullmatch(r'xxh3_128\("(.*)"\)\s+= ([0-9a-f]{32})', line).groups()
+        for line in doc_block("xxh3-vectors").splitlines()
+    )
     assert vectors == {"": xxhash.xxh3_128_hexdigest(b""), "abc": xxhash.xxh3_128_hexdigest(b"abc")}
     assert len(vectors) == 2
 
@@ -332,9 +337,7 @@ def test_the_doc_reader_reads_the_example_and_its_root_hash():
     assert root_hash([(n, d, tuple(s), x) for n, d, s, x in digests]) == doc_block("root-hash")
     # the event example names the same digests
     event = json.loads(doc_block("event-json"))
-    assert sorted(tuple(t[:4]) for t in event["views"][0]["tensors"]) == sorted(
-        (n, d, s, x) for n, d, s, x in digests
-    )
+    assert sorted(tuple(t[:4]) for t in event["views"][0]["tensors"]) == sorted((n, d, s, x) for n, d, s, x in digests)
 
 
 def test_the_fp8_example_bytes_are_the_fp8_view(tmp_path):
@@ -421,7 +424,10 @@ def _shard(header: dict, payload: bytes, *, length: int | None = None) -> bytes:
     ("data", "reason"),
     [
         (b"\x08\x00\x00", "shorter than"),
-        (_shard({"a": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, length=1 << 40), "runs past"),
+        (
+            _shard({"a": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, length=1 << 40),
+            "runs past",
+        ),
         (b"\x04\x00\x00\x00\x00\x00\x00\x00\xff\xfe{}", "not UTF-8 JSON"),
         (_shard({"a": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 6]}}, b"\0" * 6), "do not fit"),
         (_shard({"a": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 2]}}, b"\0" * 2), "unknown dtype"),
@@ -446,10 +452,9 @@ def test_the_doc_reader_refuses_shards_the_page_rules_out(data, reason, tmp_path
 
     path = tmp_path / "bad.safetensors"
     path.write_bytes(data)
-    with pytest.raises(SafetensorError):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118
-                f.get_tensor(name)
+    with pytest.raises(SafetensorError), safe_open(str(path), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118
+            f.get_tensor(name)
 
 
 def test_the_doc_reader_refuses_a_truncated_or_altered_example():
@@ -558,11 +563,13 @@ def _random_event(key: Ed25519PrivateKey):
     from schemas import BlobPointer, PolicyVersion, SkipPatch, TensorDigest, ViewVersion
 
     def pointer(i: int, name: str) -> BlobPointer:
-        return BlobPointer(uri=f"s3://b/k/ü\\\"\t{i}/{name}", sha256=f"{i:064x}", bytes=i * 7, name=name)
+        return BlobPointer(uri=f's3://b/k/ü\\"\t{i}/{name}', sha256=f"{i:064x}", bytes=i * 7, name=name)
 
     views = []
     for j, (view, kind) in enumerate([("bf16", "patch"), ("fp8_e4m3", "keyframe")]):
-        tensors = [TensorDigest(name=f"w{i}.é", dtype="BF16", shape=[i, 3], xxh3=f"{i + j:032x}", changed=i) for i in range(3)]
+        tensors = [
+            TensorDigest(name=f"w{i}.é", dtype="BF16", shape=[i, 3], xxh3=f"{i + j:032x}", changed=i) for i in range(3)
+        ]
         views.append(
             ViewVersion(
                 view=view,
@@ -575,7 +582,12 @@ def _random_event(key: Ed25519PrivateKey):
                 changed_elements=1,
                 total_elements=9,
                 skip_patches=[
-                    SkipPatch(base_version=7 - k, blobs=[pointer(100 + k, "model-00001-of-00002.safetensors")], bytes=k, changed_elements=k)
+                    SkipPatch(
+                        base_version=7 - k,
+                        blobs=[pointer(100 + k, "model-00001-of-00002.safetensors")],
+                        bytes=k,
+                        changed_elements=k,
+                    )
                     for k in (2, 4)
                 ]
                 if kind == "patch"
@@ -612,10 +624,22 @@ def test_the_lineage_and_archive_keys_are_the_documented_ones():
 
     assert lineage_key("run-1", 42) == key_pattern("runs/{run_id}/lineage/").format(run_id="run-1", version=42)
     archive = ArchiveKey(
-        run_id="run-1", event_type="trajectory.v1", date="2025-01-02", stream="trajectories", first_seq=7, last_seq=9, rows=3
+        run_id="run-1",
+        event_type="trajectory.v1",
+        date="2025-01-02",
+        stream="trajectories",
+        first_seq=7,
+        last_seq=9,
+        rows=3,
     )
     assert archive.to_key() == key_pattern("archive/").format(
-        run_id="run-1", event_type="trajectory.v1", date="2025-01-02", stream="trajectories", first_seq=7, last_seq=9, rows=3
+        run_id="run-1",
+        event_type="trajectory.v1",
+        date="2025-01-02",
+        stream="trajectories",
+        first_seq=7,
+        last_seq=9,
+        rows=3,
     )
     assert key_regex(key_pattern("archive/")).match(archive.to_key())
     assert all(key_regex(p) for p in key_patterns())  # every placeholder is one the page describes
@@ -721,7 +745,20 @@ async def test_a_reader_from_the_page_reads_a_published_chain(event_log, setting
         events[version] = event
     assert claim_checks == (4 if claim_checked else 0)
 
-    # 13: every key the chain names is the documented pattern filled in with the event's values
+    named = _check_blob_keys(s3, bucket, run, writer_id, events)
+    for version in (0, 3):
+        _check_keyframe(s3, events[version])
+    for version in (1, 2):  # 14: one patch blob per keyframe shard, named by the shard it covers
+        for view, keyframe in zip(events[version]["views"], events[0]["views"], strict=True):
+            shards = sorted(b["name"] for b in keyframe["blobs"] if b["name"].endswith(".safetensors"))
+            assert [b["name"] for b in view["blobs"]] == shards
+    assert [s["base_version"] for v in events[2]["views"] for s in v["skip_patches"]] == [0, 0]
+    _check_listing(s3, bucket, run, named, claims=4 if claim_checked else 0)
+
+
+def _check_blob_keys(s3, bucket: str, run: str, writer_id: str, events: dict[int, dict]) -> set[str]:
+    """Section 13: every key the chain names is the documented pattern filled in with the event's values,
+    and (section 12) every blob's bytes are its pointer's. Returns the keys named."""
     patterns = [p for p in key_patterns() if p.startswith("runs/{run_id}/policy/")]
     keyframe_key = next(p for p in patterns if "/keyframe/" in p)
     patch_key = next(p for p in patterns if "/patch-from-" in p)
@@ -741,63 +778,60 @@ async def test_a_reader_from_the_page_reads_a_published_chain(event_log, setting
                     stem = blob["name"].removesuffix(".safetensors")
                     expected = patch_key.format(**common, base_version=base, shard_stem=stem)
                     assert blob["uri"] == f"s3://{bucket}/{expected}"
-            for _, blobs in [(None, view["blobs"]), *edges]:
+            for blobs in [view["blobs"], *(blobs for _, blobs in edges)]:
                 for blob in blobs:
-                    check_blob(s3_get(s3, blob["uri"]), blob)  # 12: every byte checked before use
+                    check_blob(s3_get(s3, blob["uri"]), blob)
                     named.add(split_s3_uri(blob["uri"])[1])
         lineage = key_pattern("runs/{run_id}/lineage/").format(run_id=run, version=version)
         assert event["lineage_uri"] == f"s3://{bucket}/{lineage}"
         lineage_bytes = s3_get(s3, event["lineage_uri"])
         assert hashlib.sha256(lineage_bytes).hexdigest() == event["lineage_sha256"]
         assert json.loads(lineage_bytes) == {"version": version, "groups": []}
-    assert [s["base_version"] for v in events[2]["views"] for s in v["skip_patches"]] == [0, 0]
+    return named
 
-    # 6, 7: a keyframe's shards, read by the page's reader, hash to the signed digests
-    for version in (0, 3):
-        for view in events[version]["views"]:
-            files = {b["name"]: check_blob(s3_get(s3, b["uri"]), b) for b in view["blobs"]}
-            assert list(files)[-3:] == ["model.safetensors.index.json", "config.json", "generation_config.json"]
-            weight_map = json.loads(files["model.safetensors.index.json"])["weight_map"]
-            shards = sorted(set(weight_map.values()))
-            assert len(shards) == 2 and list(files)[:2] == shards
-            digests = {t[0]: t for t in view["tensors"]}
-            assert [t[0] for t in view["tensors"]] == sorted(digests)
-            for shard in shards:
-                tensors = read_safetensors(files[shard])
-                assert set(tensors) == {n for n, s in weight_map.items() if s == shard}
-                for name, (dtype, shape, raw) in tensors.items():
-                    assert [dtype, shape, tensor_digest(raw)] == digests[name][1:4]
-            assert doc_root_hash(t[:4] for t in view["tensors"]) == view["root_hash"]
-            if view["view"] == "fp8_e4m3":
-                assert digests["model.layers.0.self_attn.q_proj.weight"][1:3] == ["F8_E4M3", [64, 64]]
-                assert digests["model.layers.0.self_attn.q_proj.weight_scale_inv"][1:3] == ["F32", [1, 1]]
-                assert digests["model.layers.0.mlp.down_proj.weight_scale_inv"][1:3] == ["F32", [1, 2]]
-                assert digests["model.embed_tokens.weight"][1] == "BF16"
-                config = json.loads(files["config.json"])
-                assert config["quantization_config"]["weight_block_size"] == [128, 128]
-        # 14: a patch blob covers the keyframe shard its pointer names
-        for later in (1, 2):
-            for view, keyframe in zip(events[later]["views"], events[0]["views"], strict=True):
-                shards = sorted(b["name"] for b in keyframe["blobs"] if b["name"].endswith(".safetensors"))
-                assert [b["name"] for b in view["blobs"]] == shards
 
-    # 13: nothing under the run's prefixes is outside the documented layout, and the claims are where it says
+def _check_keyframe(s3, event: dict) -> None:
+    """Sections 5 to 7: a keyframe's files, read by the page's reader, hash to the signed digests."""
+    for view in event["views"]:
+        files = {b["name"]: check_blob(s3_get(s3, b["uri"]), b) for b in view["blobs"]}
+        assert list(files)[-3:] == ["model.safetensors.index.json", "config.json", "generation_config.json"]
+        weight_map = json.loads(files["model.safetensors.index.json"])["weight_map"]
+        shards = sorted(set(weight_map.values()))
+        assert len(shards) == 2 and list(files)[:2] == shards
+        digests = {t[0]: t for t in view["tensors"]}
+        assert [t[0] for t in view["tensors"]] == sorted(digests)
+        for shard in shards:
+            tensors = read_safetensors(files[shard])
+            assert set(tensors) == {n for n, s in weight_map.items() if s == shard}
+            for name, (dtype, shape, raw) in tensors.items():
+                assert [dtype, shape, tensor_digest(raw)] == digests[name][1:4]
+        assert doc_root_hash(t[:4] for t in view["tensors"]) == view["root_hash"]
+        if view["view"] == "fp8_e4m3":
+            assert digests["model.layers.0.self_attn.q_proj.weight"][1:3] == ["F8_E4M3", [64, 64]]
+            assert digests["model.layers.0.self_attn.q_proj.weight_scale_inv"][1:3] == ["F32", [1, 1]]
+            assert digests["model.layers.0.mlp.down_proj.weight_scale_inv"][1:3] == ["F32", [1, 2]]
+            assert digests["model.embed_tokens.weight"][1] == "BF16"
+            config = json.loads(files["config.json"])
+            assert config["quantization_config"]["weight_block_size"] == [128, 128]
+
+
+def _check_listing(s3, bucket: str, run: str, named: set[str], *, claims: int) -> None:
+    """Section 13: nothing under the run's prefixes is outside the documented layout; the trainer's
+    checkpoint and the claim checks are where it says."""
     listed = []
     for prefix in (f"runs/{run}/", f"claims/{run}/"):
         pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         listed += [obj["Key"] for page in pages for obj in page.get("Contents", [])]
     regexes = [key_regex(p) for p in key_patterns()]
-    assert listed and all(sum(bool(r.match(k)) for r in regexes) == 1 for k in listed), [
-        k for k in listed if sum(bool(r.match(k)) for r in regexes) != 1
-    ]
+    undocumented = [k for k in listed if sum(bool(r.match(k)) for r in regexes) != 1]
+    assert listed and not undocumented
     assert named <= set(listed)
-    checkpoint = key_pattern("runs/{run_id}/trainer/").format(run_id=run, version=3, holder="doc-test")
-    assert checkpoint in listed
-    claims = [k for k in listed if k.startswith(f"claims/{run}/policy/")]
-    assert len(claims) == (4 if claim_checked else 0)
-    for claim in claims:
-        digest = hashlib.sha256(s3.get_object(Bucket=bucket, Key=claim)["Body"].read()).hexdigest()
-        assert claim == key_pattern("claims/").format(run_id=run, kind="policy", sha256_prefix=digest[:2], sha256=digest)
+    assert key_pattern("runs/{run_id}/trainer/").format(run_id=run, version=3, holder="doc-test") in listed
+    claim_keys = [k for k in listed if k.startswith(f"claims/{run}/policy/")]
+    assert len(claim_keys) == claims
+    for key in claim_keys:
+        digest = hashlib.sha256(s3.get_object(Bucket=bucket, Key=key)["Body"].read()).hexdigest()
+        assert key == key_pattern("claims/").format(run_id=run, kind="policy", sha256_prefix=digest[:2], sha256=digest)
 
 
 @pytest.mark.integration
@@ -810,7 +844,8 @@ async def test_a_forged_claim_check_is_refused_by_the_page_reader(settings):
     inner = json.loads(doc_block("event-json"))
     inner.update(run_id=run)
     body = json.dumps(inner, separators=(",", ":")).encode()
-    key = f"claims/{run}/policy/{hashlib.sha256(body).hexdigest()}"
+    digest = hashlib.sha256(body).hexdigest()
+    key = f"claims/{run}/policy/{digest[:2]}/{digest}"
     s3.put_object(Bucket=bucket, Key=key, Body=body)
     subject = f"rl.{run}.policy.v0"
 
@@ -824,7 +859,7 @@ async def test_a_forged_claim_check_is_refused_by_the_page_reader(settings):
             "producer": "x",
             "event_type": "policy_version.v1",
             "uri": f"s3://{bucket}/{key}",
-            "sha256": hashlib.sha256(body).hexdigest(),
+            "sha256": digest,
             "bytes": len(body),
         }
         return json.dumps(base | fields).encode()
@@ -832,6 +867,10 @@ async def test_a_forged_claim_check_is_refused_by_the_page_reader(settings):
     assert resolve_message(s3, bucket, run, subject, claim())["version"] == 0
     with pytest.raises(DocRefusal, match="outside"):
         resolve_message(s3, bucket, run, subject, claim(uri=f"s3://{bucket}/claims/other-run/policy/x"))
+    with pytest.raises(DocRefusal, match="outside"):
+        resolve_message(s3, bucket, run, subject, claim(uri=f"s3://elsewhere/{key}"))
+    with pytest.raises(DocRefusal, match="outside"):
+        resolve_message(s3, bucket, run, subject, claim(uri=f"s3://{bucket}/runs/{run}/claims/{run}/policy/x"))
     with pytest.raises(DocRefusal, match="differs from its pointer"):
         resolve_message(s3, bucket, run, subject, claim(sha256="0" * 64))
     with pytest.raises(DocRefusal, match="another event"):
