@@ -7,6 +7,12 @@ against the log before anything new is published. Then it follows the trajectory
 streams from the checkpoint's positions, joins them into complete groups, and for every B groups
 runs one update and publishes the next version with its lineage; every N versions its whole state
 goes to S3, blob first, then a checkpoint event.
+
+Publishing runs beside the updates (`publishing.py`): the loop captures each version's weights and
+goes on to the next update while a background task writes the lineage, publishes the version and
+appends its metrics, in order. The task is one of the trainer's guards: a version it cannot publish
+stops the trainer. A checkpoint waits until its version is in the chain (recovery assumes the
+checkpoint is never ahead of the head), and a stopping trainer publishes every version it computed.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import asyncio
 import random
 import socket
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,7 +29,7 @@ import torch
 from pipeline.batching import BatchAssembler, GroupBatchItem
 from pipeline.blobstore import BlobStore, open_blob_store
 from pipeline.chain_publish import ChainPublisher
-from pipeline.errors import TransientError
+from pipeline.errors import SprawlError, TransientError
 from pipeline.eventlog import EventLog
 from pipeline.lease import RunLease
 from pipeline.log_lookup import count_subjects
@@ -44,11 +51,26 @@ from pipeline.version_signing import trainer_signing_key, verify_version
 from schemas import GroupDropped, Reward, TrainerMetrics, Trajectory
 from workers.lifecycle import end_guards, run_connected, run_guarded
 from workers.trainer.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
+from workers.trainer.publishing import BackgroundPublisher, Pending
 from workers.trainer.recovery import batch_from_lineage, check_rederived, put_lineage, root_hashes
 from workers.trainer.settings import TrainerSettings
 from workers.trainer.update import run_update
 
 log = get_logger(__name__)
+
+
+@dataclass
+class _VersionJob:
+    """What publishing a trained version needs besides its weights."""
+
+    batch: list[GroupBatchItem]
+    step: int
+    metrics: dict[str, float]
+    per_group: dict[str, dict[str, float]]
+
+
+class ChainBehindCheckpoint(SprawlError):
+    """A checkpoint was about to be written for a version the chain does not hold yet."""
 
 
 class Trainer:
@@ -83,6 +105,9 @@ class Trainer:
         self.model = None
         self.optimizer = None
         self.publisher: ChainPublisher | None = None
+        self.background: BackgroundPublisher[_VersionJob] = BackgroundPublisher(
+            self._publish_version, self.cfg.publish_depth, name="the trainer's publisher"
+        )
 
     # ---------------------------------------------------------------- setup
 
@@ -127,7 +152,12 @@ class Trainer:
         self.next_traj_seq, self.next_reward_seq = state.trajectory_position, state.reward_position
 
     async def _checkpoint(self) -> None:
-        assert self.model is not None and self.optimizer is not None
+        assert self.model is not None and self.optimizer is not None and self.publisher is not None
+        if self.publisher.head is None or self.publisher.head < self.version:
+            raise ChainBehindCheckpoint(
+                f"checkpoint of version {self.version} while the chain's head is {self.publisher.head}",
+                hint="a restarted trainer would resume ahead of the chain: drain the publisher first",
+            )
         await save_checkpoint(
             self.log,
             self.blobs,
@@ -180,21 +210,35 @@ class Trainer:
                 self.assembler.add_reward(item.event, item.stream_seq, now)
                 self.next_reward_seq = max(self.next_reward_seq, item.stream_seq + 1)
 
-    async def _publish(self, batch: list[GroupBatchItem] | None) -> None:
+    async def _publish_initial(self) -> None:
+        """Version 0, the initial weights: published before any update, so nothing to overlap."""
         assert self.publisher is not None and self.model is not None
-        version = self.version + 1 if batch is not None else 0
-        lineage = await put_lineage(self.blobs, self.run_id, version, batch) if batch is not None else None
-        consumed = sum(len(item.trajectories) for item in batch) if batch else 0
+        await self.publisher.publish(0, self.model.state_dict(), trainer_step=self.step)
+        self.version = 0
+        self.published.append(0)
+
+    async def _publish_version(self, pending: Pending[_VersionJob]) -> None:
+        """The background publisher's work for one version: its lineage, the version (fenced on the
+        previous one), then the metrics of the step that made it."""
+        assert self.publisher is not None
+        job, version = pending.job, pending.version
+        started = time.perf_counter()
+        lineage = await put_lineage(self.blobs, self.run_id, version, job.batch)
         await self.publisher.publish(
             version,
-            self.model.state_dict(),
-            trainer_step=self.step,
-            consumed_trajectories=consumed,
-            lineage_uri=lineage.uri if lineage is not None else None,
-            lineage_sha256=lineage.checksum if lineage is not None else None,
+            pending.weights,
+            trainer_step=job.step,
+            consumed_trajectories=sum(len(item.trajectories) for item in job.batch),
+            lineage_uri=lineage.uri,
+            lineage_sha256=lineage.checksum,
         )
-        self.version = version
         self.published.append(version)
+        # How long the update loop was blocked on publishing before this version was captured, and how
+        # long publishing it took beside the next update.
+        metrics = {**job.metrics, "publish_wait_s": pending.blocked_s, "publish_s": time.perf_counter() - started}
+        await self.log.append(
+            TrainerMetrics(run_id=self.run_id, step=job.step, version=version, metrics=metrics, per_group=job.per_group)
+        )
 
     async def _drop_expired(self) -> None:
         """Drop the overdue incomplete groups the log says are incomplete too.
@@ -251,6 +295,7 @@ class Trainer:
         try:
             await run_guarded(self._prepare(), guards)
             guards += [
+                self.background.start(),
                 asyncio.create_task(
                     self._feed(TRAJECTORIES, trajectories_filter(self.run_id), self.next_traj_seq, feeds_stop),
                     name="the trainer's trajectory feed",
@@ -274,29 +319,30 @@ class Trainer:
         head = await self.publisher.open()
         await self._restore_latest()
         if head is None:
-            await self._publish(None)  # version 0: the initial weights
+            await self._publish_initial()
         else:
             await self._catch_up(head)
 
     async def _train(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             if self.cfg.max_versions is not None and self.version >= self.cfg.max_versions:
-                return
+                break
             await self._drop_expired()
             batch = self.assembler.take_batch()
             if batch is None:
                 await asyncio.sleep(0.05)
                 continue
             overall, per_group = await asyncio.to_thread(self._update, batch, self.version)
+            self.version += 1
             overall["groups_dropped_total"] = float(self.groups_dropped)
-            await self._publish(batch)
-            await self.log.append(
-                TrainerMetrics(
-                    run_id=self.run_id, step=self.step, version=self.version, metrics=overall, per_group=per_group
-                )
+            # The next update may start once the weights are captured; the version is published beside it.
+            await self.background.submit(
+                self.version, self.model.state_dict(), _VersionJob(batch, self.step, overall, per_group)
             )
             if self.version % self.cfg.checkpoint_every == 0:
+                await self.background.drain(self.version)  # recovery needs checkpoint <= chain head
                 await self._checkpoint()
+        await self.background.drain()  # every version computed is published before the trainer returns
 
 
 async def run_trainer(settings: TrainerSettings) -> None:

@@ -40,6 +40,11 @@ class TrainerSection(Section):
     """Tokens staler than this leave the loss; None: unbounded."""
     checkpoint_every: int = Field(10, ge=1)
     """Checkpoint the full trainer state every N versions."""
+    publish_depth: int = Field(2, ge=1, le=16)
+    """Versions captured and not yet appended: the next update runs while they are published in the
+    background, in order. When all are in flight the update waits (its wait is the `publish_wait_s`
+    metric). Each costs one copy of the master weights; 2 lets a keyframe's longer publish overlap
+    two updates."""
     max_versions: int | None = Field(None, ge=0)
     """Stop after publishing this version (None: run until stopped)."""
     seed: int = Field(0, ge=0)
