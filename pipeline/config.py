@@ -270,8 +270,10 @@ class ChainSettings(Section):
 class MaterializeSettings(Section):
     cache_dir: Path = Path(".sprawl/versions")
     """Where materialized versions live, one HF-layout directory per version."""
-    keep_versions: int = Field(3, ge=1)
-    """Materialized versions kept on disk; older ones are garbage-collected."""
+    keep_versions: int = Field(2, ge=1)
+    """Materialized versions kept on disk; older ones are garbage-collected (never the one served or one
+    an engine has pinned). 2 is A/B: the served version and the standby slot that the next version is
+    patched into in place; 1 makes every version pay a full copy of the served one."""
     wait_for_version_s: float = Field(60.0, gt=0)
     """How long to wait for a version that is not in the log yet."""
 

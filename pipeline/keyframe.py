@@ -7,7 +7,6 @@ engine loads a version from disk without knowing about sprawl.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -84,16 +83,3 @@ def load_shard(path: Path) -> dict[str, torch.Tensor]:
         for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
             out[name] = f.get_tensor(name)
     return out
-
-
-def fsync_tree(directory: Path) -> None:
-    """Make a finished directory durable before it is renamed into place."""
-    for path in directory.iterdir():
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

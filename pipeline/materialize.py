@@ -1,17 +1,40 @@
 """Materializing a policy version: exact served bits on local disk, in HF layout, verified.
 
-`Materializer.materialize(version)` plans the cheapest way there by bytes to
-download (a cached version or the nearest keyframe, then patches or
-skip-patches), applies it shard by shard (memory stays at one shard), checks
-every tensor's xxh3-128 against the version event, and renames the finished
-directory into place: the previous version is untouched until the new one is
-complete. A file lock serializes processes sharing a cache, so two samplers on
-one host neither corrupt it nor download twice.
+`Materializer.materialize(version)` plans the cheapest way there (a cached version or the nearest
+keyframe, then patches or skip-patches), builds it, checks it against the version event's digests,
+and renames the finished directory into place: the version served before is untouched until the new
+one is complete. A file lock serializes processes sharing a cache, so two samplers on one host
+neither corrupt it nor download twice.
+
+Proportional to the patch: a version directory is a recyclable slot (`pipeline/version_slots.py`).
+To build version N from a cached version that nobody serves (not `current`, not pinned by an engine),
+that directory is renamed to a staging name and the route's patches are written into its shards in
+place, at the changed positions only (`pipeline/safetensors_layout.py`: the header does not move for
+a patch that keeps shapes and dtypes). Two directories then take turns (A/B): the one served, and the
+standby that catches up two versions at a time, reading the older patch from the local patch store
+(`pipeline/patch_store.py`) instead of downloading it again. Where the only start is protected, it is
+copied once (the second slot's creation). A keyframe start downloads its shards straight into the
+staging directory. A shard whose layout a patch changes is rewritten whole (the old path).
+
+The planner minimizes cost in bytes: bytes to download, plus bytes to copy locally (a protected
+start, weighted by LOCAL_COPY_COST); a recycled start and a patch blob already on disk cost nothing.
+
+Durability by verification, not fsync: nothing is fsynced (a killed process leaves the page cache
+intact; power loss can tear pages, and so can a process killed mid-build, whose `.tmp-*` staging
+directory is never served and is removed by the next build). Instead a version directory is hashed
+against its event's digests the first time this process uses it, as a start or from the cache, and
+trusted afterwards while its manifest's `generation` is unchanged; a torn, tampered or half-applied
+directory is logged as an error, removed and rebuilt, never served.
+
+Hashing only what changed: a patch's header names each tensor's base and target checksums. They are
+compared with the version events' digests (a disagreement refuses the patch before a byte is
+written), and the codec checks each target it produces against the header; a tensor the route never
+changes keeps its verified digest. `written_bytes` (what the build made the kernel write) and
+`changed_tensor_bytes` (the bytes of the tensors that differ from the start) say what a version cost.
 
 `materialize_newest(version, above=...)` is what a following island asks for: that
-version if any route to it works, otherwise the newest older version that can be
-built and verified. One bad patch then costs an island its newest versions, not
-its ability to serve.
+version if any route to it works, otherwise the newest older version that can be built and verified.
+One bad patch then costs an island its newest versions, not its ability to serve.
 
 Failure handling: a blob that fails its sha256 is fetched once more; then that part
 of the route (a patch, a skip patch, a keyframe, or a version whose own files
@@ -21,7 +44,8 @@ exponential, capped, jittered backoff (`RouteFailures`) and is then tried again,
 a re-published blob is picked up, and a bad one is never re-downloaded in a hot
 loop however often the island is woken. A missing blob is named by key; a base
 whose bits differ from what a patch expects is refused; a version not yet in the
-log is waited for, never guessed.
+log is waited for, never guessed. Blobs are all fetched before a slot is touched, so a corrupt
+patch never costs the standby slot.
 
 Trust: given a `VersionTrust` (an island always passes one), every version event is
 verified (`pipeline/version_signing.py`) the moment it is read, before any field of it
@@ -35,36 +59,55 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import json
+import math
 import os
 import shutil
-import tempfile
 import threading
 import uuid
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from pipeline import patch_codec
-from pipeline.bits import checksum, dtype_name, root_hash, to_bits
+from pipeline.bits import bits_dtype, checksum, dtype_name, from_bits, root_hash, to_bits
 from pipeline.blobstore import BlobStore
 from pipeline.config import MaterializeSettings
 from pipeline.errors import BlobIntegrityError, BlobNotFound, SprawlError
 from pipeline.eventlog import EventLog
-from pipeline.keyframe import CONFIG_FILE, INDEX_FILE, fsync_tree, load_shard, read_weight_map
+from pipeline.keyframe import load_shard, read_weight_map
 from pipeline.logs import get_logger
+from pipeline.patch_store import PatchStore
 from pipeline.route_failures import Backoff, PartKey, RouteFailures
+from pipeline.safetensors_layout import ShardLayout, ShardLayoutError, hash_shard, mapped_tensors, read_layout
 from pipeline.subjects import token
 from pipeline.version_log import wait_for_version
 from pipeline.version_signing import VersionSignatureInvalid, VersionTrust
+from pipeline.version_slots import (
+    IN_USE_FILE,
+    MANIFEST_FILE,
+    VersionPin,
+    claim,
+    copy_version_files,
+    directory_bytes,
+    in_use,
+    process_written_bytes,
+    read_manifest,
+    remove_directory,
+    remove_leftovers,
+    write_manifest,
+)
 from schemas import BlobPointer, PolicyVersion, ViewVersion
 
 log = get_logger(__name__)
 
-MANIFEST_FILE = "sprawl-version.json"
 MAX_WALK_BACK = 64
 """How far below the nearest keyframe a cached version may be and still be worth walking up from."""
+LOCAL_COPY_COST = 0.5
+"""What a byte copied on local disk costs the planner, in downloaded bytes: less than a download even
+on loopback (no network stack, no hashing), so a protected start is copied rather than its keyframe
+fetched again, but never free, so a recyclable slot always wins."""
 
 
 class MaterializeError(SprawlError):
@@ -156,6 +199,21 @@ class Materialized:
     downloaded_bytes: int
     route: str
     """How it got there, e.g. `cache:v3 -> patch:v4 -> skip:v8`."""
+    written_bytes: int = 0
+    """Bytes this build made the kernel write to local disk (page-cache pages it dirtied, downloads
+    included; /proc/self/io `write_bytes`): a page dirtied again before writeback counts once."""
+    changed_tensor_bytes: int = 0
+    """Bytes of the tensors whose digest differs between the start and this version (every tensor's
+    for a keyframe start): what a build proportional to the change has to write."""
+    slot: str = ""
+    """Which directory it was built in: `cached` (served as it was), `new`, `recycled v<N>`, `copy of v<N>`."""
+    pin: VersionPin | None = field(default=None, compare=False, repr=False)
+    """Held when asked for (`pin=True`): the directory is not recycled until `release()`."""
+
+    def release(self) -> None:
+        """Let the directory be recycled (the engine has loaded a newer version)."""
+        if self.pin is not None:
+            self.pin.release()
 
 
 @dataclass(frozen=True)
@@ -213,6 +271,10 @@ class Materializer:
         self._events: dict[int, PolicyVersion] = {}
         """Verified events only: nothing else is ever planned with."""
         self._refused: dict[int, PolicyVersion] = {}
+        self.patches = PatchStore(self.root)
+        self._trusted: dict[int, str] = {}
+        """Version -> manifest generation of directories this process built or hashed: not hashed again."""
+        self._threads: ThreadPoolExecutor | None = None
 
     # ---------------------------------------------------------------- public
 
@@ -234,16 +296,19 @@ class Materializer:
         link = self.root / "current"
         return link.resolve() if link.exists() else None
 
-    async def materialize(self, version: int) -> Materialized:
-        """Exactly `version`, or VersionUnbuildable naming why no route to it works now."""
-        return await self._materialize(version, newest=False, above=None)
+    async def materialize(self, version: int, *, pin: bool = False) -> Materialized:
+        """Exactly `version`, or VersionUnbuildable naming why no route to it works now.
 
-    async def materialize_newest(self, version: int, *, above: int | None = None) -> Materialized:
+        `pin`: return it pinned (`Materialized.pin`), so no materializer recycles its directory while an
+        engine loads or serves it; the caller releases the pin once it has loaded a newer version."""
+        return await self._materialize(version, newest=False, above=None, pin=pin)
+
+    async def materialize_newest(self, version: int, *, above: int | None = None, pin: bool = False) -> Materialized:
         """`version` if a route to it works; otherwise the newest older version, newer than `above` (the
         one already served), that can be built and verified. VersionUnbuildable when there is none."""
-        return await self._materialize(version, newest=True, above=above)
+        return await self._materialize(version, newest=True, above=above, pin=pin)
 
-    async def _materialize(self, version: int, *, newest: bool, above: int | None) -> Materialized:
+    async def _materialize(self, version: int, *, newest: bool, above: int | None, pin: bool) -> Materialized:
         event = await self._event(version)
         if event is None and not newest:
             raise VersionRefused(version, self.view, self.refusals.reasons(version, version), None)
@@ -252,7 +317,7 @@ class Materializer:
         lowest = await self._gather_events(version)
         while True:
             try:
-                return await asyncio.to_thread(self._materialize_locked, version, lowest, newest, above)
+                return await asyncio.to_thread(self._materialize_locked, version, lowest, newest, above, pin)
             except VersionUnbuildable:
                 # Nothing from the nearest keyframe up can be built (its own blob may be the bad one): an
                 # older keyframe still reaches the versions before it.
@@ -304,32 +369,49 @@ class Materializer:
             v -= 1
         await self._event(v)
         lowest = v
+        # Cached versions just below it too: the standby slot (A/B) may sit there, a version or two older
+        # than the one served, and catching it up is cheaper than a keyframe.
         below = [c for c in cached if lowest - MAX_WALK_BACK <= c < lowest]
         if below:
-            for w in range(max(below), lowest):
+            for w in range(min(below), lowest):
                 await self._event(w)
-            lowest = max(below)
+            lowest = min(below)
         return lowest
 
     # ---------------------------------------------------------------- planning
 
+    def _local_state(self) -> _LocalState:
+        cached = set(self.cached_versions())
+        current = self._current_version()
+        protected = {v for v in cached if v == current or in_use(self.path_of(v))}
+        return _LocalState(cached, protected, {v: directory_bytes(self.path_of(v)) for v in protected})
+
+    def _edge_cost(self, edge: _Edge) -> int:
+        return sum(b.bytes for b in edge.blobs if not self.patches.has(b))
+
     def _reachable(
-        self, lowest: int, version: int, tried: set[PartKey], bad_starts: set[tuple[str, int]]
+        self,
+        lowest: int,
+        version: int,
+        tried: set[PartKey],
+        bad_starts: set[tuple[str, int]],
+        local: _LocalState,
     ) -> dict[int, _Option]:
         """The cheapest known way to each version in [lowest, version] that no failure rules out."""
 
         def usable(key: PartKey) -> bool:
             return key not in tried and self.failures.usable(key)
 
-        cached = set(self.cached_versions())
         best: dict[int, _Option] = {}
         for v in range(lowest, version + 1):
             if v not in self._events or not usable(("version", v)):
                 continue  # refused (or never read): not a target, not a base, not even from the cache
             entry = self._view_of(self._events[v])
             options: list[_Option] = []
-            if v in cached and ("cache", v) not in bad_starts and self._cache_is(v):
-                options.append((0, ("cache", v), None))
+            if v in local.cached and ("cache", v) not in bad_starts and self._cache_is(v):
+                # As a start: recycled for nothing, or copied when someone serves it. (As the target itself
+                # it is served as it is: `_materialize_locked` looks for that first.)
+                options.append((local.copy_bytes.get(v, 0) * LOCAL_COPY_COST, ("cache", v), None))
             if entry.kind == "keyframe" and usable(("keyframe", v)):
                 options.append((entry.bytes, ("keyframe", v), None))
             edges = []
@@ -338,7 +420,7 @@ class Materializer:
             edges += [_Edge("skip", s.base_version, v, tuple(s.blobs), s.bytes) for s in entry.skip_patches]
             for edge in edges:
                 if edge.base in best and usable(edge.key):
-                    options.append((best[edge.base][0] + edge.bytes, None, edge))
+                    options.append((best[edge.base][0] + self._edge_cost(edge), None, edge))
             if options:
                 best[v] = min(options, key=lambda o: o[0])
         return best
@@ -358,14 +440,18 @@ class Materializer:
 
     # ---------------------------------------------------------------- execution (thread)
 
-    def _materialize_locked(self, version: int, lowest: int, newest: bool, above: int | None) -> Materialized:
+    def _materialize_locked(
+        self, version: int, lowest: int, newest: bool, above: int | None, pin: bool
+    ) -> Materialized:
         with open(self.root / ".lock", "a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            remove_leftovers(self.root)  # of a process killed mid-build: we hold the lock, so none is live
             tried: set[PartKey] = set()  # failed in this call: not tried again in it, whatever its backoff
             bad_starts: set[tuple[str, int]] = set()
             local_reasons: list[str] = []  # failures of this cache, which `self.failures` does not keep
             while True:
-                best = self._reachable(lowest, version, tried, bad_starts)
+                local = self._local_state()
+                best = self._reachable(lowest, version, tried, bad_starts, local)
                 target = version if version in best else None
                 if target is None and newest:
                     target = max((v for v in best if above is None or v > above), default=None)
@@ -376,29 +462,36 @@ class Materializer:
                         self.refusals.reasons(lowest, version) + self.failures.reasons(lowest, version) + local_reasons,
                         self.failures.retry_in_s(lowest, version),
                     )
-                start, edges = self._route(best, target)
-                if start == ("cache", target):
-                    return self._cached(target)
                 try:
-                    result = self._execute(target, start, edges)
+                    if target in local.cached and ("cache", target) not in bad_starts and self._cache_is(target):
+                        result = self._cached(target)  # served as it is, whatever a rebuild would cost
+                    else:
+                        start, edges = self._route(best, target)
+                        result = self._execute(target, start, edges, local)
+                        for part in [start, *(edge.key for edge in edges), ("version", target)]:
+                            self.failures.cleared(part)
                 except _EdgeFailed as exc:
                     if not self._set_aside(target, exc, tried, bad_starts):
                         local_reasons.append(exc.reason)
                     continue
-                for part in [start, *(edge.key for edge in edges), ("version", target)]:
-                    self.failures.cleared(part)
                 self._point_current(result.path)
                 self._collect_garbage(keep_also=target)
-                return result
+                # Pinned before the cache lock is let go: no other materializer can recycle it in between.
+                return replace(result, pin=VersionPin.take(result.path)) if pin else result
+
+    def _current_version(self) -> int | None:
+        current = self.current()
+        if current is None or not current.name.startswith("v") or not current.name[1:].isdigit():
+            return None
+        return int(current.name[1:])
 
     def _cache_is(self, version: int) -> bool:
         """Is the cached v<N> the bits of the (verified) event this log holds for v<N>? A cache folder
         outlives its run: another stack's run with the same id, or a chain forged through a bad token,
         leaves versions under the same numbers, and serving them would serve bits nobody signed here."""
         event = self._events[version]
-        try:
-            manifest = json.loads((self.path_of(version) / MANIFEST_FILE).read_text())
-        except (OSError, ValueError):
+        manifest = read_manifest(self.path_of(version))
+        if manifest is None:
             return False
         root_hash = self._view_of(event).root_hash
         if manifest.get("event_id") == event.event_id and manifest.get("root_hash") == root_hash:
@@ -411,16 +504,62 @@ class Materializer:
             path=str(self.path_of(version)),
         )
         # Out of the way first (a rename is atomic), so the rebuilt version can take its name.
-        aside = self.root / f".foreign-v{version:08d}-{uuid.uuid4().hex[:8]}"
-        os.rename(self.path_of(version), aside)
-        shutil.rmtree(aside, ignore_errors=True)
+        remove_directory(self.root, self.path_of(version), "foreign")
+        self._trusted.pop(version, None)
         return False
 
+    def _ensure_verified(self, version: int) -> bool:
+        """Hash a cached version against its event unless this process already did (same generation).
+        Returns whether it hashed; a directory that does not match is removed and `_EdgeFailed` raised
+        for it as a start (checked afresh on the next call, rebuilt meanwhile)."""
+        path = self.path_of(version)
+        manifest = read_manifest(path) or {}
+        generation = manifest.get("generation")
+        if generation is not None and self._trusted.get(version) == generation:
+            return False
+        problem = self._directory_problem(path, self._view_of(self._events[version]))
+        if problem is not None:
+            log.error(
+                "cached version does not hash to its version (torn by a crash, or altered): removed, never served",
+                version=version,
+                path=str(path),
+                problem=problem,
+            )
+            remove_directory(self.root, path, "damaged")
+            self._trusted.pop(version, None)
+            raise _EdgeFailed(None, ("cache", version), f"cached v{version} is damaged: {problem}")
+        if generation is None:  # written before generations existed: give it one, to be trusted from now on
+            generation = write_manifest(path, manifest)
+        self._trusted[version] = generation
+        return True
+
+    def _directory_problem(self, path: Path, entry: ViewVersion) -> str | None:
+        """What is wrong with a directory's tensors against a version's digests, or None (every tensor
+        hashed: the directory then has exactly the version's root hash)."""
+        expected = {t.name: t for t in entry.tensors}
+        try:
+            weight_map = read_weight_map(path)
+            if set(weight_map) != set(expected):
+                return f"its index names {sorted(set(weight_map) ^ set(expected))[:3]} unexpectedly"
+            for shard in sorted(set(weight_map.values())):
+                layout = read_layout(path / shard)
+                problem = _layout_problem(layout, weight_map, expected)
+                if problem is not None:
+                    return problem
+                for name, digest in hash_shard(layout).items():
+                    if digest != expected[name].xxh3:
+                        return f"tensor {name} hashes to {digest}, the version says {expected[name].xxh3}"
+        except (OSError, ValueError, KeyError, ShardLayoutError) as exc:
+            return f"unreadable ({exc})"
+        return None
+
     def _cached(self, version: int) -> Materialized:
+        self._ensure_verified(version)
         done = self.path_of(version)
-        manifest = json.loads((done / MANIFEST_FILE).read_text())
-        self._point_current(done)
-        return Materialized(version, self.view, done, manifest["root_hash"], 0, f"cache:v{version}")
+        manifest = read_manifest(done) or {}
+        return Materialized(
+            version, self.view, done, manifest.get("root_hash", ""), 0, f"cache:v{version}", slot="cached"
+        )
 
     def _set_aside(self, target: int, exc: _EdgeFailed, tried: set[PartKey], bad_starts: set) -> bool:
         """Keep the failed part out of this call's plans and, for remote parts, out of later calls'
@@ -450,93 +589,281 @@ class Materializer:
             )
         return bool(parts)
 
-    def _execute(self, version: int, start: tuple[str, int], edges: list[_Edge]) -> Materialized:
-        kind, start_version = start
-        target_entry = self._view_of(self._events[version])
-        expected = {t.name: t.xxh3 for t in target_entry.tensors}
-        staging = Path(tempfile.mkdtemp(prefix=f".tmp-v{version}-", dir=self.root))
-        downloads = staging / ".downloads"
-        downloads.mkdir()
-        fetched = 0
+    def _execute(self, version: int, start: tuple[str, int], edges: list[_Edge], local: _LocalState) -> Materialized:
+        written_before = process_written_bytes()
+        # Every blob first: a corrupt or missing patch fails here, before any slot is taken apart.
+        fetched = self._fetch_patches(edges)
+        build = self._stage(version, start, local)
+        build.fetched += fetched
         try:
-            if kind == "cache":
-                source = self.path_of(start_version)
-                for name in (CONFIG_FILE, INDEX_FILE, *self._extra_files(source)):
-                    shutil.copyfile(source / name, staging / name)
-            else:
-                entry = self._view_of(self._events[start_version])
-                for blob in entry.blobs:
-                    if not blob.name.endswith(".safetensors"):
-                        fetched += self._download(blob, staging / blob.name, None, start)
-                source = downloads
-            weight_map = read_weight_map(staging)
-            shards = sorted(set(weight_map.values()))
-            patches = {edge: {b.name: b for b in edge.blobs} for edge in edges}
-            for shard in shards:
-                base_path = source / shard
-                if kind == "keyframe":
-                    blob = next(b for b in self._view_of(self._events[start_version]).blobs if b.name == shard)
-                    fetched += self._download(blob, base_path, None, start)
-                tensors = load_shard(base_path)
-                if kind == "keyframe":
-                    base_path.unlink()
-                if kind == "cache":
-                    self._check_start(tensors, start_version, start)
-                known_good = kind == "keyframe"
-                for edge in edges:
-                    blob = patches[edge].get(shard)
-                    if blob is None:
-                        raise _EdgeFailed(
-                            edge, None, f"{edge.kind} v{edge.base}->v{edge.target} has no patch for shard {shard}"
-                        )
-                    fetched += self._apply_patch(
-                        edge, blob, tensors, downloads / f"{edge.target}-{shard}", verify_base=not known_good
-                    )
-                    known_good = True
-                # Bits that disagree with the version are blamed on the last thing that produced them.
-                blame = (edges[-1], None) if edges else (None, start)
-                self._verify_shard(tensors, expected, version, weight_map, shard, blame)
-                from safetensors.torch import save_file
-
-                save_file(tensors, str(staging / shard), metadata={"format": "pt"})
-            shutil.rmtree(downloads)
-            digests = {t.name: t.xxh3 for t in target_entry.tensors}
-            (staging / MANIFEST_FILE).write_text(
-                json.dumps(
-                    {
-                        "run_id": self.run_id,
-                        "version": version,
-                        "view": self.view,
-                        "root_hash": target_entry.root_hash,
-                        # Which event these bits are: a cache entry is served only for that very event.
-                        "event_id": self._events[version].event_id,
-                        "tensors": digests,
-                    },
-                    indent=1,
-                    sort_keys=True,
-                )
-            )
-            fsync_tree(staging)
-            final = self.path_of(version)
-            os.rename(staging, final)  # atomic: a version directory is complete or absent
+            self._apply_route(build, edges)
+            self._finish(build, version, edges)
         except BaseException:
             # Cleanup, then re-raise whatever it was (a failed edge, an outage, a cancellation): a
             # half-built staging directory must not outlive any failure. Nothing is swallowed here.
+            shutil.rmtree(build.staging, ignore_errors=True)
+            raise
+        written_after = process_written_bytes()
+        if written_before is not None and written_after is not None:
+            written = written_after - written_before
+        else:
+            written = build.fetched + build.written_estimate  # no kernel accounting here: what we wrote
+        target_entry = self._view_of(self._events[version])
+        changed = _changed_bytes(
+            target_entry, None if start[0] == "keyframe" else self._view_of(self._events[start[1]])
+        )
+        route = " -> ".join([f"{start[0]}:v{start[1]}", *(f"{e.kind}:v{e.target}" for e in edges)])
+        log.info(
+            "materialized",
+            version=version,
+            view=self.view,
+            route=route,
+            slot=build.slot,
+            downloaded_bytes=build.fetched,
+            written_bytes=written,
+            changed_tensor_bytes=changed,
+        )
+        return Materialized(
+            version,
+            self.view,
+            self.path_of(version),
+            target_entry.root_hash,
+            build.fetched,
+            route,
+            written_bytes=written,
+            changed_tensor_bytes=changed,
+            slot=build.slot,
+        )
+
+    def _fetch_patches(self, edges: list[_Edge]) -> int:
+        """Every patch blob of the route into the local patch store; returns the bytes downloaded."""
+        fetched = 0
+        for edge in edges:
+            for blob in edge.blobs:
+                if not self.patches.usable(blob):
+                    fetched += self._download(blob, self.patches.path(blob), edge, None)
+                    self.patches.downloaded(blob)
+        return fetched
+
+    def _stage(self, version: int, start: tuple[str, int], local: _LocalState) -> _Build:
+        """A staging directory holding the start's bits, and what is known of them."""
+        kind, start_version = start
+        entry = self._view_of(self._events[start_version])
+        digests = {t.name: t.xxh3 for t in entry.tensors}
+        staging = self.root / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
+        if kind == "keyframe":
+            staging.mkdir()
+            build = _Build(staging, start, digests, set(), "new")
+            try:
+                for blob in entry.blobs:
+                    build.fetched += self._download(blob, staging / blob.name, None, start)
+                problem = self._directory_problem(staging, entry)
+                if problem is not None:
+                    raise _EdgeFailed(None, start, f"keyframe v{start_version} does not match its version: {problem}")
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            return build
+        source = self.path_of(start_version)
+        hashed = self._ensure_verified(start_version)
+        # Bits this process trusts without hashing them in this call: a target that comes out wrong from
+        # one of them is blamed on the cache, not on the (signed, verified) patch.
+        suspect = set() if hashed else set(digests)
+        claimed = None if start_version in local.protected else claim(source)
+        if claimed is not None:
+            try:
+                os.rename(source, staging)  # from here on no cached version: a crash leaves only a .tmp-*
+            finally:
+                os.close(claimed)
+            self._trusted.pop(start_version, None)
+            (staging / MANIFEST_FILE).unlink(missing_ok=True)
+            return _Build(staging, start, digests, suspect, f"recycled v{start_version}")
+        staging.mkdir()
+        try:
+            copy_version_files(source, staging)
+        except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        route = " -> ".join([f"{kind}:v{start_version}", *(f"{e.kind}:v{e.target}" for e in edges)])
-        log.info("materialized", version=version, view=self.view, route=route, downloaded_bytes=fetched)
-        return Materialized(version, self.view, final, target_entry.root_hash, fetched, route)
+        build = _Build(staging, start, digests, suspect, f"copy of v{start_version}")
+        build.written_estimate += directory_bytes(staging)
+        return build
 
-    @staticmethod
-    def _extra_files(directory: Path) -> list[str]:
-        return [
-            p.name
-            for p in directory.iterdir()
-            if p.is_file()
-            and not p.name.endswith(".safetensors")
-            and p.name not in (CONFIG_FILE, INDEX_FILE, MANIFEST_FILE)
-        ]
+    def _apply_route(self, build: _Build, edges: list[_Edge]) -> None:
+        if not edges:
+            return
+        weight_map = read_weight_map(build.staging)
+        shards = sorted(set(weight_map.values()))
+        by_shard = {edge: {b.name: b for b in edge.blobs} for edge in edges}
+        for edge in edges:
+            for shard in shards:
+                if shard not in by_shard[edge]:
+                    raise _EdgeFailed(
+                        edge, None, f"{edge.kind} v{edge.base}->v{edge.target} has no patch for shard {shard}"
+                    )
+        for shard in shards:
+            self._patch_shard(build, shard, [(edge, by_shard[edge][shard]) for edge in edges])
+
+    def _patch_shard(self, build: _Build, shard: str, patches: list[tuple[_Edge, BlobPointer]]) -> None:
+        """Apply the route's patches to one shard: in place when none changes its layout, else rewritten."""
+        parsed = []
+        for edge, blob in patches:
+            try:
+                header, payload = patch_codec.read_header(self.patches.read(blob))
+            except patch_codec.PatchFormatError as exc:
+                raise _EdgeFailed(edge, None, f"patch {blob.uri} is unreadable: {exc.message}", blob.uri) from exc
+            parsed.append((edge, blob, header, payload))
+        path = build.staging / shard
+        try:
+            layout = read_layout(path)
+        except ShardLayoutError as exc:
+            raise _EdgeFailed(None, build.start, exc.message) from exc
+        if all(_fits(layout, header) for _, _, header, _ in parsed):
+            with mapped_tensors(layout, writable=True) as arrays:
+                for edge, blob, header, payload in parsed:
+                    self._apply_patch(build, edge, blob, header, payload, arrays, in_place=True)
+                    build.written_estimate += sum(
+                        layout.tensors[t.name].nbytes for g in header.groups for t in g.tensors if t.changed
+                    )
+            return
+        log.info("a patch changes the shard's layout: rewriting it whole", shard=shard)
+        tensors = load_shard(path)
+        arrays = {name: to_bits(tensor) for name, tensor in tensors.items()}
+        kinds = {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()}
+        for edge, blob, header, payload in parsed:
+            self._apply_patch(build, edge, blob, header, payload, arrays, in_place=False)
+            for group in header.groups:
+                kinds.update({t.name: (group.dtype, tuple(t.shape)) for t in group.tensors})
+        from safetensors.torch import save_file
+
+        rewritten = {name: from_bits(arrays[name], *kinds[name]) for name in arrays}
+        tmp = path.with_name(f".{shard}.rewrite")
+        save_file(rewritten, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path)
+        build.written_estimate += path.stat().st_size
+
+    def _apply_patch(
+        self,
+        build: _Build,
+        edge: _Edge,
+        blob: BlobPointer,
+        header: patch_codec.PatchHeader,
+        payload: memoryview,
+        arrays: dict[str, np.ndarray],
+        *,
+        in_place: bool,
+    ) -> None:
+        """One patch into `arrays` (a shard's tensors as bits). Its header is held against what is known
+        before anything is written: each base checksum against the digest of the bits there now, each
+        target checksum against the target version's event. The codec then checks every target it
+        produces; nothing else is hashed."""
+        wanted = {t.name: t.xxh3 for t in self._view_of(self._events[edge.target]).tensors}
+        what = f"{edge.kind} v{edge.base}->v{edge.target}"
+        for group in header.groups:
+            for t in group.tensors:
+                if t.name not in arrays:
+                    raise _EdgeFailed(edge, None, f"patch {what} names unknown tensors {[t.name]}", blob.uri)
+                if group.has_base and t.base_checksum.hex() != build.digests[t.name]:
+                    raise _EdgeFailed(
+                        edge,
+                        None,
+                        f"refused: base of {what} does not match (tensor {t.name}: the patch expects "
+                        f"{t.base_checksum.hex()}, v{edge.base} is {build.digests[t.name]})",
+                        blob.uri,
+                    )
+                if t.target_checksum.hex() != wanted.get(t.name):
+                    raise _EdgeFailed(
+                        edge,
+                        None,
+                        f"refused: patch {what} makes tensor {t.name} {t.target_checksum.hex()}, "
+                        f"the version says {wanted.get(t.name)}",
+                        blob.uri,
+                    )
+                if group.has_base and t.changed == 0 and t.base_checksum != t.target_checksum:
+                    raise _EdgeFailed(
+                        edge, None, f"refused: patch {what} changes no element of {t.name} but its checksum", blob.uri
+                    )
+
+        def apply(group: patch_codec.GroupEntry) -> dict[str, np.ndarray]:
+            base = {t.name: arrays[t.name] for t in group.tensors} if group.has_base else None
+            return patch_codec.apply_group(group, payload, base, verify=True, verify_base=False, inplace=True)
+
+        try:
+            results = list(self._pool().map(apply, header.groups))
+        except patch_codec.ChecksumMismatch as exc:
+            if exc.tensor in build.suspect:
+                # These bits came from a cached version this process trusted without hashing it now: suspect
+                # the disk before a signed patch. The cache entry is dropped; the plan is made again.
+                self._trusted.pop(build.start[1], None)
+                raise _EdgeFailed(
+                    None, build.start, f"cached v{build.start[1]} gave wrong bits for {exc.tensor} under {what}"
+                ) from exc
+            raise _EdgeFailed(edge, None, f"patch {what} produced wrong bits ({exc.message})", blob.uri) from exc
+        except patch_codec.PatchFormatError as exc:
+            raise _EdgeFailed(edge, None, f"patch {blob.uri} is unreadable: {exc.message}", blob.uri) from exc
+        for group, out in zip(header.groups, results, strict=True):
+            for t in group.tensors:
+                produced = out[t.name]
+                if not np.may_share_memory(produced, arrays[t.name]):
+                    if in_place:  # a whole tensor the codec built apart (same layout): into the file
+                        arrays[t.name][...] = produced.reshape(-1)
+                    else:
+                        arrays[t.name] = produced.reshape(-1)
+                build.digests[t.name] = t.target_checksum.hex()
+                if t.changed:
+                    build.suspect.discard(t.name)
+
+    def _finish(self, build: _Build, version: int, edges: list[_Edge]) -> None:
+        """Check the staged bits are the version's (its root hash, from the digests the route verified),
+        write the manifest and rename the directory into place."""
+        entry = self._view_of(self._events[version])
+        expected = {t.name: t for t in entry.tensors}
+        blame = (edges[-1], None) if edges else (None, build.start)
+        weight_map = read_weight_map(build.staging)
+        if set(weight_map) != set(expected):
+            raise _EdgeFailed(None, None, f"v{version} index names {sorted(set(weight_map) ^ set(expected))[:3]}")
+        entries = []
+        for shard in sorted(set(weight_map.values())):
+            try:
+                layout = read_layout(build.staging / shard)
+            except ShardLayoutError as exc:
+                raise _EdgeFailed(*blame, exc.message) from exc
+            problem = _layout_problem(layout, weight_map, expected)
+            if problem is not None:
+                raise _EdgeFailed(*blame, f"v{version}: {problem}")
+            for name, span in layout.tensors.items():
+                if build.digests[name] != expected[name].xxh3:
+                    # never served: the staging directory is dropped and the route replanned without it
+                    raise _EdgeFailed(
+                        *blame,
+                        f"v{version} tensor {name} is {build.digests[name]}, the version says {expected[name].xxh3}",
+                    )
+                entries.append((name, span.dtype, span.shape, build.digests[name]))
+        if root_hash(entries) != entry.root_hash:
+            raise _EdgeFailed(None, None, f"v{version}'s tensors do not give its root hash {entry.root_hash}")
+        (build.staging / IN_USE_FILE).touch()
+        generation = write_manifest(
+            build.staging,
+            {
+                "run_id": self.run_id,
+                "version": version,
+                "view": self.view,
+                "root_hash": entry.root_hash,
+                # Which event these bits are: a cache entry is served only for that very event.
+                "event_id": self._events[version].event_id,
+                "tensors": {t.name: t.xxh3 for t in entry.tensors},
+            },
+        )
+        final = self.path_of(version)
+        if final.exists():  # a directory under this name that is no usable version (no manifest, damaged)
+            remove_directory(self.root, final, "trash")
+        os.rename(build.staging, final)  # atomic: a version directory is complete or absent
+        self._trusted[version] = generation
+
+    def _pool(self) -> ThreadPoolExecutor:
+        """Threads for a patch's groups (disjoint tensors): the codec's kernels release the GIL."""
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="apply")
+        return self._threads
 
     def _download(self, blob: BlobPointer, path: Path, edge: _Edge | None, start: tuple[str, int] | None) -> int:
         """Fetch and verify one blob; a checksum failure is retried once (a transfer can go wrong), then
@@ -563,69 +890,6 @@ class Materializer:
         if event is not None:
             self.refusals.record(Refusal(event.version, event.event_id, blob.uri, reason, "blob_digest_mismatch"))
 
-    def _apply_patch(
-        self, edge: _Edge, blob: BlobPointer, tensors: dict[str, torch.Tensor], path: Path, *, verify_base: bool
-    ) -> int:
-        size = self._download(blob, path, edge, None)
-        data = path.read_bytes()
-        path.unlink()
-        try:
-            header, payload = patch_codec.read_header(data)
-            unknown = set(header.tensor_names()) - set(tensors)
-            if unknown:
-                raise _EdgeFailed(
-                    edge,
-                    None,
-                    f"patch v{edge.base}->v{edge.target} names unknown tensors {sorted(unknown)[:3]}",
-                    blob.uri,
-                )
-            # to_bits gives views of the loaded tensors, so the in-place apply updates them.
-            bits = {name: to_bits(tensor) for name, tensor in tensors.items()}
-            for group in header.groups:
-                patch_codec.apply_group(group, payload, bits, inplace=True, verify_base=verify_base)
-        except patch_codec.ChecksumMismatch as exc:
-            if exc.which == "base":
-                raise _EdgeFailed(
-                    edge,
-                    ("cache", edge.base) if edge.base in self.cached_versions() else None,
-                    f"refused: base of v{edge.base}->v{edge.target} does not match ({exc.message})",
-                    blob.uri,
-                ) from exc
-            raise _EdgeFailed(
-                edge, None, f"patch v{edge.base}->v{edge.target} produced wrong bits ({exc.message})", blob.uri
-            ) from exc
-        except patch_codec.PatchFormatError as exc:
-            raise _EdgeFailed(edge, None, f"patch {blob.uri} is unreadable: {exc.message}", blob.uri) from exc
-        return size
-
-    def _check_start(self, tensors: dict[str, torch.Tensor], version: int, start: tuple[str, int]) -> None:
-        expected = {t.name: t.xxh3 for t in self._view_of(self._events[version]).tensors}
-        for name, tensor in tensors.items():
-            if checksum(to_bits(tensor)) != expected.get(name):
-                raise _EdgeFailed(None, start, f"cached v{version} tensor {name} does not match its version")
-
-    def _verify_shard(
-        self,
-        tensors: dict[str, torch.Tensor],
-        expected: dict[str, str],
-        version: int,
-        weight_map: dict[str, str],
-        shard: str,
-        blame: tuple[_Edge | None, tuple[str, int] | None],
-    ) -> None:
-        wanted = {n for n, s in weight_map.items() if s == shard}
-        if set(tensors) != wanted:
-            raise _EdgeFailed(None, None, f"shard {shard} holds {sorted(set(tensors) ^ wanted)[:3]} unexpectedly")
-        for name, tensor in tensors.items():
-            actual = checksum(to_bits(tensor))
-            if actual != expected.get(name):
-                # never served: the staging directory is dropped and the route replanned without it
-                raise _EdgeFailed(
-                    *blame,
-                    f"v{version} tensor {name} ({dtype_name(tensor.dtype)}) hashes to {actual}, "
-                    f"the version says {expected.get(name)}",
-                )
-
     # ---------------------------------------------------------------- switch and clean up
 
     def _point_current(self, path: Path) -> None:
@@ -635,19 +899,91 @@ class Materializer:
         os.replace(tmp, link)  # atomic switch for readers that follow `current`
 
     def _collect_garbage(self, keep_also: int) -> None:
+        """Versions beyond `keep_versions` (never `current`, the one just built, or one pinned by an
+        engine), and patch blobs no kept version can use any more."""
         versions = self.cached_versions()
-        keep = set(versions[-self.settings.keep_versions :]) | {keep_also}
+        keep = set(versions[-self.settings.keep_versions :]) | {keep_also, self._current_version()}
         for v in versions:
-            if v not in keep:
-                trash = self.root / f".trash-{v}-{uuid.uuid4().hex[:6]}"
-                os.rename(self.path_of(v), trash)
-                shutil.rmtree(trash, ignore_errors=True)
-        for stale in self.root.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a process killed mid-materialize (we hold the lock)
+            if v not in keep and not in_use(self.path_of(v)):
+                remove_directory(self.root, self.path_of(v), "trash")
+                self._trusted.pop(v, None)
+        kept = self.cached_versions()
+        lowest = min(kept, default=None)
+        wanted: set[str] = set()
+        for v, event in self._events.items():
+            if lowest is None or v <= lowest:
+                continue
+            entry = self._view_of(event)
+            if entry.kind == "patch" and entry.base_version is not None and entry.base_version >= lowest:
+                wanted |= {b.sha256 for b in entry.blobs}
+            for skip in entry.skip_patches:
+                if skip.base_version >= lowest:
+                    wanted |= {b.sha256 for b in skip.blobs}
+        self.patches.keep_only(wanted)
+
+
+@dataclass
+class _LocalState:
+    """What the cache holds when a plan is made (under the cache lock)."""
+
+    cached: set[int]
+    protected: set[int]
+    """`current` and pinned versions: a start from one of these is copied, never recycled."""
+    copy_bytes: dict[int, int]
+
+
+@dataclass
+class _Build:
+    """A version being built in a staging directory."""
+
+    staging: Path
+    start: tuple[str, int]
+    digests: dict[str, str]
+    """Each tensor's xxh3 as the staged bits are now (verified, or trusted: see `suspect`)."""
+    suspect: set[str]
+    """Tensors whose bits come from a cached start this process trusted without hashing them now."""
+    slot: str
+    """How the directory came to be: `new`, `recycled v<N>`, `copy of v<N>`."""
+    fetched: int = 0
+    written_estimate: int = 0
+    """Bytes written, counted by us: reported only where the kernel does not count them."""
+
+
+def _fits(layout: ShardLayout, header: patch_codec.PatchHeader) -> bool:
+    """Can the patch be written into the file in place: every tensor it names keeps dtype and shape?"""
+    for group in header.groups:
+        if not group.has_base:
+            return False
+        for t in group.tensors:
+            span = layout.tensors.get(t.name)
+            if span is not None and (span.dtype != group.dtype or span.shape != tuple(t.shape)):
+                return False
+    return True
+
+
+def _layout_problem(layout: ShardLayout, weight_map: dict[str, str], expected: dict) -> str | None:
+    shard = layout.path.name
+    wanted = {n for n, s in weight_map.items() if s == shard}
+    if set(layout.tensors) != wanted:
+        return f"shard {shard} holds {sorted(set(layout.tensors) ^ wanted)[:3]} unexpectedly"
+    for name, span in layout.tensors.items():
+        digest = expected[name]
+        if span.dtype != digest.dtype or list(span.shape) != list(digest.shape):
+            return f"tensor {name} is {span.shape} x {span.dtype}, the version says {digest.shape} x {digest.dtype}"
+    return None
+
+
+def _changed_bytes(target: ViewVersion, start: ViewVersion | None) -> int:
+    """Bytes of the target's tensors whose digest differs from the start's (all of them without a start)."""
+    before = {} if start is None else {t.name: t.xxh3 for t in start.tensors}
+    return sum(
+        math.prod(t.shape) * bits_dtype(t.dtype).itemsize for t in target.tensors if before.get(t.name) != t.xxh3
+    )
 
 
 def verify_directory(path: Path) -> str:
-    """Recompute a materialized directory's root hash from its files (for audits and tests)."""
+    """Recompute a materialized directory's root hash from its files (for audits and tests). Reads them
+    with the safetensors library, independently of the in-place layout code."""
     from safetensors import safe_open
 
     entries = []

@@ -53,15 +53,21 @@ async def test_twenty_versions_materialize_bit_exact_along_every_route(event_log
                 assert entry.bytes < 0.5 * events[v - v % 7].views[views.index(entry.view)].bytes
     assert [s.base_version for s in events[9].views[0].skip_patches] == [5]
 
-    # A follower that materializes every version: each step is one patch from its cache.
+    # A follower that materializes every version, in two slots (A/B): the standby one is patched in place.
     follower = materializer(event_log, settings, tmp_path / "follower", view="fp8_e4m3")
     for v in range(20):
         got = await follower.materialize(v)
         assert got.root_hash == roots[v]["fp8_e4m3"] == verify_directory(got.path)
-        if v % 7:
-            assert got.route == f"cache:v{v - 1} -> patch:v{v}"
+        if v % 7 == 0:
+            assert (got.route, got.slot) == (f"keyframe:v{v}", "new")
+        elif v % 7 == 1:  # one slot so far: the served keyframe is copied once to make the second
+            assert (got.route, got.slot) == (f"cache:v{v - 1} -> patch:v{v}", f"copy of v{v - 1}")
+        else:  # the standby slot catches up two versions, the older patch read from the local store
+            assert got.route == f"cache:v{v - 2} -> patch:v{v - 1} -> patch:v{v}"
+            assert got.slot == f"recycled v{v - 2}"
+        assert got.downloaded_bytes == events[v].views[1].bytes  # every blob crosses the network once
     assert follower.current() == follower.path_of(19)
-    assert len(follower.cached_versions()) == 3  # keep_versions
+    assert follower.cached_versions() == [18, 19]  # keep_versions: the served one and the standby
 
     # A fresh sampler: nearest keyframe, then the cheapest mix of patches and skip-patches.
     fresh = materializer(event_log, settings, tmp_path / "fresh")
@@ -235,21 +241,38 @@ async def test_two_processes_materializing_into_one_cache(event_log, settings, t
     assert {o["root_hash"] for o in outputs} == {roots[4]["bf16"]}
     assert sorted(o["downloaded_bytes"] == 0 for o in outputs) == [False, True]  # the second found it done
     cache = tmp_path / "shared" / settings.run_id / "bf16"
-    assert sorted(p.name for p in cache.iterdir() if not p.name.startswith(".lock")) == ["current", "v00000004"]
+    assert sorted(p.name for p in cache.iterdir() if not p.name.startswith(".")) == ["current", "v00000004"]
+    assert not list(cache.glob(".tmp-*"))  # no half-built directory left behind
 
 
 async def test_a_cached_base_that_does_not_match_is_refused(event_log, settings, tmp_path):
     from safetensors.torch import load_file, save_file
 
     _, _, roots, _ = await _publish_chain(event_log, settings, 3, keyframe_every=10)
-    sampler = materializer(event_log, settings, tmp_path)
-    cached = await sampler.materialize(1)
+    cached = await materializer(event_log, settings, tmp_path).materialize(1)
     shard = next(cached.path.glob("*.safetensors"))
     tensors = load_file(shard)
     name = sorted(tensors)[0]
     tensors[name] = tensors[name].clone()
     tensors[name].view(-1)[0] += 1  # one served value silently different on disk
     save_file(tensors, str(shard), metadata={"format": "pt"})
+    # A process that did not build v1 hashes it before using it (a restarted island, another sampler).
+    sampler = materializer(event_log, settings, tmp_path)
     got = await sampler.materialize(2)
     assert got.route.startswith("keyframe:v0")
     assert verify_directory(got.path) == roots[2]["bf16"]
+    assert sampler.cached_versions() == [2]  # the altered v1 was removed, not kept as a standby
+
+    # The process that built it trusts it (same generation) but not blindly: the bits it gives a patch
+    # are checked against the patch's targets, and a mismatch is blamed on the cache, not on the patch.
+    builder = materializer(event_log, settings, tmp_path / "builder")
+    cached = await builder.materialize(1)
+    shard = next(cached.path.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = max(tensors, key=lambda n: tensors[n].numel())  # the biggest tensor: changed by the next patch
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    got = await builder.materialize(2)
+    assert got.route.startswith("keyframe:v0") and verify_directory(got.path) == roots[2]["bf16"]
+    assert builder.failures.total == 0  # the good patch to v2 was not set aside

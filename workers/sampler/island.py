@@ -123,6 +123,10 @@ class CommitRecord:
     root_hash: str
     """Root hash of the verified bits it serves."""
     route: str
+    written_bytes: int = 0
+    """Bytes materializing it wrote to local disk (`Materialized.written_bytes`)."""
+    changed_tensor_bytes: int = 0
+    """Bytes of the tensors that differ from the version it was built from."""
 
 
 class IslandStats:
@@ -209,6 +213,8 @@ class Island:
         """The task keeping the engine at the chain's head (None until `start(follow=True)`): its worker
         supervises it, so an island never lives on serving a stale version after its follower died."""
         self._sub = None
+        self._loaded: Materialized | None = None
+        """The version the engine holds, pinned: its directory is not recycled until a newer one is loaded."""
 
     @property
     def version(self) -> int | None:
@@ -252,6 +258,8 @@ class Island:
         if self._sub is not None:
             with contextlib.suppress(nats.errors.Error):  # the connection may be closed already
                 await self._sub.unsubscribe()
+        if self._loaded is not None:
+            self._loaded.release()
 
     async def _on_policy_message(self, _msg) -> None:
         self._wake.set()
@@ -304,7 +312,7 @@ class Island:
             return current
         self.state = "catching_up" if current is not None else "starting"
         try:
-            got = await self.materializer.materialize_newest(head, above=current)
+            got = await self.materializer.materialize_newest(head, above=current, pin=True)
         except VersionUnbuildable as exc:
             self._block(head, exc.message, exc.retry_in_s)
             return current
@@ -338,7 +346,7 @@ class Island:
             return self.version
         self.state = "catching_up" if self.version is not None else "starting"
         try:
-            got = await self.materializer.materialize(version)
+            got = await self.materializer.materialize(version, pin=True)
             await self._load(got)
         finally:
             self._settle_state()
@@ -347,8 +355,29 @@ class Island:
         return version
 
     async def _load(self, got: Materialized) -> None:
-        pause = await self.engine.load_weights(got.path, got.version, self._changed_since(self.version, got.version))
-        self.stats.record(CommitRecord(got.version, time.time(), pause, got.root_hash, got.route))
+        """Commit `got` (pinned by the materializer) to the engine; the version it replaces is unpinned only
+        once the engine has loaded the new one, so its directory stays whole while it may still be read."""
+        try:
+            pause = await self.engine.load_weights(
+                got.path, got.version, self._changed_since(self.version, got.version)
+            )
+        except BaseException:
+            got.release()  # the engine still serves the previous version, which stays pinned
+            raise
+        if self._loaded is not None:
+            self._loaded.release()
+        self._loaded = got
+        self.stats.record(
+            CommitRecord(
+                got.version,
+                time.time(),
+                pause,
+                got.root_hash,
+                got.route,
+                written_bytes=got.written_bytes,
+                changed_tensor_bytes=got.changed_tensor_bytes,
+            )
+        )
         self.head = got.version if self.head is None else max(self.head, got.version)
         log.info(
             "serving version",
@@ -356,6 +385,7 @@ class Island:
             route=got.route,
             pause_s=round(pause, 4),
             downloaded_bytes=got.downloaded_bytes,
+            written_bytes=got.written_bytes,
         )
 
     async def _report_refusals(self) -> None:

@@ -1,0 +1,137 @@
+"""Where each tensor's bytes lie in a safetensors file, so they can be hashed or patched where they are.
+
+A safetensors file is `u64 little-endian header length N | N bytes of JSON | data`. The JSON maps
+each tensor name to `{dtype, shape, data_offsets: [begin, end]}` (offsets relative to the data) plus
+an optional `__metadata__`. Nothing in the header depends on the tensors' values, so a patch that
+keeps every tensor's dtype and shape can be applied into the file in place: map it, view each
+tensor's byte range as unsigned bits (`pipeline.bits`), and let the codec write the changed
+positions. Loading the shard and serializing it again (what a version cost before) is not needed.
+
+The header is checked before anything is mapped: every range inside the file, sized by its dtype and
+shape, aligned to its element size (numpy views and the codec's kernels want aligned elements; the
+safetensors writers align them, and a file that is not aligned is simply not patched in place).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.bits import bits_dtype, checksum
+from pipeline.errors import SprawlError
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+"""The safetensors format's own limit on the JSON header."""
+
+
+class ShardLayoutError(SprawlError):
+    """A file that is not a well-formed safetensors shard (truncated, a header that lies about its data)."""
+
+    def __init__(self, path: Path, detail: str):
+        self.path = path
+        super().__init__(
+            f"{path} is not a usable safetensors shard: {detail}",
+            hint="the version on disk is damaged; it is removed and materialized again",
+        )
+
+
+@dataclass(frozen=True)
+class TensorSpan:
+    """One tensor's bytes in its file: [begin, end) absolute offsets."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    path: Path
+    tensors: dict[str, TensorSpan]
+    file_bytes: int
+
+
+def read_layout(path: Path) -> ShardLayout:
+    """The shard's tensors and where their bytes are; ShardLayoutError when the header cannot be trusted
+    to describe the file (which is then never mapped)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            head = f.read(8)
+            if len(head) < 8:
+                raise ShardLayoutError(path, f"{size} bytes, shorter than the header length")
+            (header_bytes,) = struct.unpack("<Q", head)
+            if header_bytes > MAX_HEADER_BYTES or 8 + header_bytes > size:
+                raise ShardLayoutError(path, f"header length {header_bytes} does not fit a file of {size} bytes")
+            header = json.loads(f.read(header_bytes))
+    except (OSError, ValueError) as exc:  # ValueError: JSON and UTF-8 decoding
+        if isinstance(exc, ShardLayoutError):
+            raise
+        raise ShardLayoutError(path, f"unreadable header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise ShardLayoutError(path, "the header is not a JSON object")
+    data_start = 8 + header_bytes
+    tensors: dict[str, TensorSpan] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        tensors[name] = _span(path, name, info, data_start, size)
+    return ShardLayout(path, tensors, size)
+
+
+def _span(path: Path, name: str, info: object, data_start: int, size: int) -> TensorSpan:
+    try:
+        dtype = info["dtype"]  # type: ignore[index]
+        shape = tuple(int(d) for d in info["shape"])  # type: ignore[index]
+        begin, end = (int(o) for o in info["data_offsets"])  # type: ignore[index]
+        width = bits_dtype(dtype).itemsize
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ShardLayoutError(path, f"tensor {name!r}: malformed entry {info!r} ({exc!r})") from exc
+    if any(d < 0 for d in shape) or end - begin != math.prod(shape) * width or begin < 0:
+        raise ShardLayoutError(path, f"tensor {name!r}: offsets {begin}..{end} do not hold {shape} x {dtype}")
+    if data_start + end > size:
+        raise ShardLayoutError(path, f"tensor {name!r} ends at {data_start + end}, past the file's {size} bytes")
+    if (data_start + begin) % width:
+        raise ShardLayoutError(path, f"tensor {name!r} is not aligned to its {width}-byte elements")
+    return TensorSpan(name, dtype, shape, data_start + begin, data_start + end)
+
+
+@contextmanager
+def mapped_tensors(layout: ShardLayout, *, writable: bool) -> Iterator[dict[str, np.ndarray]]:
+    """Each tensor of the shard as a flat unsigned-bits array over the file's own pages (no copy).
+
+    Writable: writes go to the page cache and reach the disk with the kernel's writeback. Nothing is
+    flushed on purpose: a version's bits are checked against its root hash the first time a process
+    uses it, which catches what a crash or a power loss tore, at no cost per version."""
+    if layout.file_bytes == 0 or not layout.tensors:
+        yield {name: np.zeros(0, dtype=bits_dtype(s.dtype)) for name, s in layout.tensors.items()}
+        return
+    mapping = np.memmap(layout.path, dtype=np.uint8, mode="r+" if writable else "r")
+    try:
+        yield {
+            name: np.asarray(mapping[s.begin : s.end]).view(bits_dtype(s.dtype)) for name, s in layout.tensors.items()
+        }
+    finally:
+        # Unmapped once the caller's views are gone; the mmap module refuses to close while views exist,
+        # and dropping our references is all that is needed for the pages to be released.
+        del mapping
+
+
+def hash_shard(layout: ShardLayout) -> dict[str, str]:
+    """xxh3-128 of every tensor's bytes, read from the page cache through a read-only mapping."""
+    with mapped_tensors(layout, writable=False) as arrays:
+        return {name: checksum(bits) for name, bits in arrays.items()}
