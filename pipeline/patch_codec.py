@@ -1,47 +1,59 @@
 """The lossless patch codec: bits of a target tensor as changes against a base tensor.
 
-Format (self-describing):
+Format v2 (little-endian throughout; docs/FORMAT.md has it byte for byte):
 
-    b"SPRWLPCH" | u16 format version | u32 header length | zstd(msgpack PatchHeader) | chunk payloads
+    b"SPRWLPCH" | u16 format version (2) | u32 header length | zstd(msgpack PatchHeader) | payload
 
-Each tensor is cut into chunks (default 4 Mi elements) so work spreads over a
-thread pool and memory stays at chunk buffers. Per chunk the encoder picks the
-smallest of:
+The header lists groups (tensors of one dtype coded as one flat array), their tensors (name, shape,
+xxh3-128 of base and target bits, changed count) and their chunks (start, length, changed, offset
+and size of the chunk's record in the payload). Tensors are cut into chunks (default 4 Mi
+elements) so work spreads over a thread pool. A chunk record is empty when nothing changed, else
 
-- `same`: nothing changed;
-- `sparse`: changed positions + values. Positions as Rice-coded gaps (a
-  unary-quotient bitstream and a fixed-width remainder bitstream kept apart,
-  so both decode with vectorized numpy) or as a bitmap when changes are dense
-  enough that one bit per element is cheaper. Values are XOR with the base or
-  raw replacement bits, split into byte planes (high bytes of small XORs are
-  mostly zero and vanish under zstd), whichever compresses smaller;
-- `dense`: the whole chunk's XOR (or raw target) in byte planes, for chunks
-  where most elements changed.
+    u8 mode (1 sparse, 2 dense) | u8 transform (0 xor, 1 ulp, 2 raw) | streams
 
-Nothing is computed in floating point: XOR and replacement only, on unsigned
-integer views (pipeline.bits), so every bit pattern round-trips.
+- sparse: 4 streams, the byte planes of the u32 gaps between changed positions (gap = position -
+  previous - 1, the first previous being -1), least significant plane first; then `width` streams,
+  the byte planes of the changed elements' transformed values;
+- dense: `width` streams, the byte planes of every element's transformed value (0 where unchanged
+  for xor and ulp).
+
+Transforms (pipeline.codec.kernels): xor with the base bits; ulp, the zigzagged signed distance
+between old and new bit patterns in float order; raw, the new bits. The encoder picks per chunk
+whichever codes smallest. Each stream is `u8 codec | u32 raw length | u32 coded length | bytes`
+with codec 0 stored, 1 constant (one byte repeated), 2 rANS order-0 (pipeline.codec.rans), 3 zstd.
+
+Nothing is computed in floating point: integer operations on unsigned views (pipeline.bits), so
+every bit pattern round-trips. The hot loops are numba kernels that release the GIL.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
 
 import msgspec
 import numpy as np
 import zstandard
 
 from pipeline.bits import bits_dtype, checksum
+from pipeline.codec import kernels, rans
+from pipeline.codec.scratch import Scratch
 from pipeline.errors import SprawlError
 
 MAGIC = b"SPRWLPCH"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _PREAMBLE = struct.Struct("<8sHI")
-DEFAULT_CHUNK_ELEMENTS = 1 << 22  # measured with bench delta: fewer, larger numpy ops beat finer thread balance
+DEFAULT_CHUNK_ELEMENTS = 1 << 22  # measured with bench delta: fewer, larger chunks beat finer thread balance
+MAX_CHUNK_ELEMENTS = 1 << 30  # gaps are coded as u32
 ZSTD_LEVEL = 3  # measured: level 3 is within ~1% of level 9 on value planes at a fraction of the time
+
+SPARSE, DENSE = 1, 2
+STORED, CONSTANT, RANS, ZSTD = 0, 1, 2, 3
+_RECORD_HEAD = struct.Struct("<BB")
+_STREAM_HEAD = struct.Struct("<BII")
 
 
 class PatchFormatError(SprawlError, ValueError):
@@ -60,18 +72,13 @@ class PatchFormatError(SprawlError, ValueError):
 
 class ChunkEntry(msgspec.Struct, frozen=True, array_like=True):
     start: int
+    """First element of the chunk in its group's flat array (0 when the group holds several tensors)."""
     length: int
-    encoding: Literal["same", "sparse", "dense"]
-    positions: Literal["none", "rice", "bitmap"]
-    values: Literal["none", "xor", "raw"]
     changed: int
-    rice_k: int
-    unary_bits: int
-    stream_sizes: list[int]
-    """Compressed byte length of each stream: [positions_a, positions_b, values]."""
-    compressed: list[bool]
     offset: int
-    """Where this chunk's streams start in the payload."""
+    """Where the chunk's record starts in the payload."""
+    size: int
+    """The record's length in bytes: 0 when nothing changed."""
 
 
 class TensorEntry(msgspec.Struct, frozen=True):
@@ -86,7 +93,7 @@ class TensorEntry(msgspec.Struct, frozen=True):
 
 
 class GroupEntry(msgspec.Struct, frozen=True):
-    """Tensors of one dtype coded as one flat array: small tensors share chunks, a large one is chunked."""
+    """Tensors of one dtype coded as one flat array: small tensors share one chunk, a large one is chunked."""
 
     dtype: str
     elements: int
@@ -116,255 +123,262 @@ class TensorBits:
     bits: np.ndarray
 
 
-# ---------------------------------------------------------------- position coding
-
-
-def _rice_parameter(gaps: np.ndarray, n: int, count: int) -> tuple[int, int]:
-    """Best Rice k near the geometric optimum, by exact total bit count."""
-    mean = max(float(n - count) / max(count, 1), 1e-9)
-    guess = max(0, round(math.log2(max(mean * math.log(2), 1.0))))
-    best_k, best_bits = 0, None
-    for k in range(max(0, guess - 1), guess + 2):
-        bits = int((gaps >> k).sum()) + count * (k + 1)
-        if best_bits is None or bits < best_bits:
-            best_k, best_bits = k, bits
-    assert best_bits is not None
-    return best_k, best_bits
-
-
-def _rice_encode(gaps: np.ndarray, k: int) -> tuple[bytes, bytes, int]:
-    quotients = gaps >> k
-    unary_bits = int(quotients.sum()) + len(gaps)
-    unary = np.ones(unary_bits, dtype=bool)
-    unary[np.cumsum(quotients + 1) - 1] = False  # each quotient: q ones, then a zero
-    if k:
-        remainders = gaps & ((1 << k) - 1)
-        width = 8 if k <= 8 else (16 if k <= 16 else 64)
-        as_bytes = remainders.astype(f">u{width // 8}").view(np.uint8).reshape(-1, width // 8)
-        rem_bits = np.unpackbits(as_bytes, axis=1)[:, width - k :]  # the k low bits, most significant first
-        rem = np.packbits(rem_bits.ravel()).tobytes()
-    else:
-        rem = b""
-    return np.packbits(unary).tobytes(), rem, unary_bits
-
-
-def _rice_decode(unary: bytes, rem: bytes, k: int, count: int, unary_bits: int) -> np.ndarray:
-    bits = np.unpackbits(np.frombuffer(unary, dtype=np.uint8), count=unary_bits)
-    ends = np.flatnonzero(bits == 0)
-    if len(ends) != count:
-        raise PatchFormatError(f"rice stream holds {len(ends)} gaps, header says {count}")
-    if count == 0:
-        return ends
-    # gap_i = quotient_i << k | remainder_i, quotient_i = ends_i - ends_{i-1} - 1; positions = cumsum(gap + 1) - 1.
-    # Written with in-place ops: this runs once per changed element on every sampler.
-    gaps = np.empty(count, dtype=np.int64)
-    gaps[0] = ends[0]
-    np.subtract(ends[1:], ends[:-1], out=gaps[1:])
-    gaps[1:] -= 1
-    if k:
-        np.left_shift(gaps, k, out=gaps)
-        rem_bits = np.unpackbits(np.frombuffer(rem, dtype=np.uint8), count=count * k).reshape(count, k)
-        weights = (1 << np.arange(k - 1, -1, -1)).astype(np.uint32 if k > 16 else np.uint16)
-        np.bitwise_or(gaps, rem_bits @ weights, out=gaps, casting="unsafe")
-    gaps += 1
-    np.cumsum(gaps, out=gaps)
-    gaps -= 1
-    return gaps
-
-
-# ---------------------------------------------------------------- value coding
-
-
-def _planes(values: np.ndarray) -> bytes:
-    """Byte planes, most significant first: [all high bytes][...][all low bytes]."""
-    width = values.dtype.itemsize
-    if width == 1:
-        return values.tobytes()
-    as_bytes = values.astype(values.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1, width)
-    return np.ascontiguousarray(as_bytes[:, ::-1].T).tobytes()
-
-
-def _from_planes(data: bytes, dtype: np.dtype, count: int) -> np.ndarray:
-    width = dtype.itemsize
-    raw = np.frombuffer(data, dtype=np.uint8)
-    if len(raw) != count * width:
-        raise PatchFormatError(f"value planes hold {len(raw)} bytes, expected {count * width}")
-    if width == 1:
-        return raw.view(dtype)
-    rows = np.ascontiguousarray(raw.reshape(width, count).T[:, ::-1])
-    return rows.view(dtype.newbyteorder("<")).reshape(count).astype(dtype, copy=False)
-
-
 class _Zstd:
     """Per-thread zstd contexts (they are not thread-safe)."""
 
     def __init__(self, level: int):
-        import threading
-
         self.level = level
         self._local = threading.local()
 
-    def compress(self, data: bytes) -> bytes:
+    def compress(self, data) -> bytes:
         ctx = getattr(self._local, "c", None)
         if ctx is None:
             ctx = self._local.c = zstandard.ZstdCompressor(level=self.level)
         return ctx.compress(data)
 
-    def decompress(self, data: bytes, size: int) -> bytes:
+    def decompress(self, data, size: int) -> bytes:
         ctx = getattr(self._local, "d", None)
         if ctx is None:
             ctx = self._local.d = zstandard.ZstdDecompressor()
         return ctx.decompress(data, max_output_size=size)
 
 
-def _maybe_compress(zstd: _Zstd, data: bytes) -> tuple[bytes, bool]:
-    if len(data) < 64:
-        return data, False
-    packed = zstd.compress(data)
-    return (packed, True) if len(packed) < len(data) else (data, False)
+# ---------------------------------------------------------------- streams
+
+
+def _stream_cost(hist: np.ndarray, count: int) -> float:
+    """Bytes a stream of `count` symbols with histogram `hist` will take (close estimate)."""
+    if count == 0 or np.count_nonzero(hist) <= 1:
+        return _STREAM_HEAD.size + (1 if count else 0)
+    freqs = rans.normalize(hist)
+    coded = rans.cost_bits(hist, freqs) / 8 + rans.table_bytes(freqs) + rans.STATES_BYTES
+    return _STREAM_HEAD.size + min(float(count), coded)
+
+
+def _encode_stream(symbols: np.ndarray, hist: np.ndarray | None, zstd: _Zstd | None) -> bytes:
+    """The smallest of stored, constant, rANS and (when `zstd` is given) zstd for one byte stream."""
+    count = len(symbols)
+    if count == 0:
+        return _STREAM_HEAD.pack(STORED, 0, 0)
+    if hist is None:
+        hist = rans.histogram(symbols)
+    nonzero = np.flatnonzero(hist)
+    if len(nonzero) == 1:
+        return _STREAM_HEAD.pack(CONSTANT, count, 1) + bytes([int(nonzero[0])])
+    codec, body = STORED, memoryview(symbols)
+    freqs = rans.normalize(hist)
+    if rans.cost_bits(hist, freqs) / 8 + rans.table_bytes(freqs) + rans.STATES_BYTES < count:
+        out = _SCRATCH.array("rans", count, np.uint8)
+        size = rans.encode(symbols, freqs, out)
+        if 0 < size < count:
+            codec, body = RANS, memoryview(out[:size])
+    if zstd is not None and count >= 64:
+        packed = zstd.compress(symbols)
+        if len(packed) < len(body):
+            codec, body = ZSTD, memoryview(packed)
+    return _STREAM_HEAD.pack(codec, count, len(body)) + bytes(body)
+
+
+def _decode_stream(record: np.ndarray, cursor: int, out: np.ndarray) -> int:
+    """Decode the stream at `cursor` into `out` (its expected raw length); returns the next cursor."""
+    end = len(record)
+    if cursor + _STREAM_HEAD.size > end:
+        raise PatchFormatError(f"stream header at {cursor} runs past its chunk record ({end} bytes)")
+    codec, raw, coded = _STREAM_HEAD.unpack_from(record, cursor)
+    cursor += _STREAM_HEAD.size
+    if raw != len(out):
+        raise PatchFormatError(f"stream holds {raw} symbols, the chunk needs {len(out)}")
+    if coded > end - cursor:
+        raise PatchFormatError(f"stream of {coded} bytes runs past its chunk record")
+    body = record[cursor : cursor + coded]
+    if codec == STORED:
+        if coded != raw:
+            raise PatchFormatError(f"stored stream of {coded} bytes for {raw} symbols")
+        out[:] = body
+    elif codec == CONSTANT:
+        if coded != 1:
+            raise PatchFormatError(f"constant stream of {coded} bytes")
+        out[:] = body[0]
+    elif codec == RANS:
+        status = rans.decode(record, cursor, cursor + coded, out, _SCRATCH.array("slots", rans.M, np.uint64))
+        if status != 0:
+            raise PatchFormatError(f"rANS stream does not decode (status {status})")
+    elif codec == ZSTD:
+        try:
+            raw_bytes = _THREAD_ZSTD.decompress(body, raw)
+        except zstandard.ZstdError as exc:
+            raise PatchFormatError(f"zstd stream does not decode ({exc})") from exc
+        if len(raw_bytes) != raw:
+            raise PatchFormatError(f"zstd stream holds {len(raw_bytes)} bytes, expected {raw}")
+        out[:] = np.frombuffer(raw_bytes, dtype=np.uint8)
+    else:
+        raise PatchFormatError(f"unknown stream codec {codec}")
+    return cursor + coded
 
 
 # ---------------------------------------------------------------- one chunk
 
 
-def _cat(parts: list[np.ndarray]) -> np.ndarray:
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+def _plain(array: np.ndarray) -> np.ndarray:
+    """A base-class ndarray over the same memory (np.memmap and friends, for numba)."""
+    return array.view(np.ndarray) if type(array) is not np.ndarray else array
+
+
+def _words(segment: np.ndarray) -> tuple[np.ndarray, int]:
+    """The segment's longest prefix viewed as u64 words, and elements per word."""
+    per = 8 // segment.dtype.itemsize
+    usable = len(segment) - len(segment) % per
+    return segment[:usable].view(np.uint64), per
 
 
 def _encode_chunk(
-    zstd: _Zstd, start: int, base: list[np.ndarray] | None, target: list[np.ndarray]
-) -> tuple[dict, list[bytes], list[int] | None]:
-    """Encode one chunk made of one or more segments (consecutive tensors of a group).
+    zstd: _Zstd, base: list[np.ndarray] | None, target: list[np.ndarray]
+) -> tuple[bytes, int, list[int] | None]:
+    """Encode one chunk made of one or more segments (consecutive tensors of a group): its record,
+    changed count and the changed count per segment (None when there is no base).
 
     Segments are diffed where they lie, never concatenated: only the changed positions and values
-    (about 1% of the data) are gathered. Returns the entry, its streams and the changed count per
-    segment (None when there is no base).
-    """
+    are gathered."""
+    target = [_plain(t) for t in target]
     n = sum(len(t) for t in target)
+    width = target[0].dtype.itemsize
     if base is None:  # no base: the chunk is all new
-        data, packed = _maybe_compress(zstd, _planes(_cat(target)))
-        return _entry(start, n, "dense", "none", "raw", n, [0, 0, len(data)], [False, False, packed]), [data], None
-    local = [np.flatnonzero(b != t) for b, t in zip(base, target, strict=True)]
-    counts = [len(p) for p in local]
-    count = sum(counts)
+        planes = _SCRATCH.array("planes", (width, n), np.uint8)
+        at = 0
+        for t in target:
+            kernels.raw_planes(t, width, planes, at)
+            at += len(t)
+        streams = [_encode_stream(planes[p], None, zstd) for p in range(width)]
+        return _RECORD_HEAD.pack(DENSE, kernels.RAW) + b"".join(streams), n, None
+    base = [_plain(b) for b in base]
+    positions, old, new, count = _diff(base, target)
+    if len(target) == 1:
+        counts = [count]
+    else:
+        counts = [int(c) for c in np.diff(np.searchsorted(positions, np.cumsum([0] + [len(t) for t in target])))]
     if count == 0:
-        return _entry(start, n, "same", "none", "none", 0, [0, 0, 0], [False, False, False]), [], counts
-    offsets = np.cumsum([0] + [len(t) for t in target[:-1]])
-    positions = _cat([p + off for p, off in zip(local, offsets, strict=True)])
+        return b"", 0, counts
+    # Transforms are compared on a sample: enough to rank them, a fraction of the work.
+    stride = max(1, count // _SAMPLE)
+    value_hist = kernels.value_histograms(old, new, width, stride)
+    value_costs = [sum(_stream_cost(value_hist[k, p] * stride, count) for p in range(width)) for k in range(3)]
+    gaps = _SCRATCH.array("gaps", (kernels.GAP_PLANES, count), np.uint8)
+    gap_hist = kernels.gap_planes(positions, gaps)
+    sparse_kind = int(np.argmin(value_costs))
+    sparse_cost = sum(_stream_cost(gap_hist[p], count) for p in range(kernels.GAP_PLANES)) + value_costs[sparse_kind]
+    if count * 4 > n:  # a good share changed: every element's value may code smaller than positions + values
+        stride = max(1, n // _SAMPLE)
+        dense_hist = np.zeros((3, width, 256), dtype=np.int64)
+        for b, t in zip(base, target, strict=True):
+            kernels.dense_histograms(b, t, width, stride, dense_hist)
+        dense_costs = [sum(_stream_cost(dense_hist[k, p] * stride, n) for p in range(width)) for k in range(3)]
+        dense_kind = int(np.argmin(dense_costs))
+        if dense_costs[dense_kind] < sparse_cost:
+            planes = _SCRATCH.array("planes", (width, n), np.uint8)
+            hist = np.zeros((width, 256), dtype=np.int64)
+            at = 0
+            for b, t in zip(base, target, strict=True):
+                kernels.value_planes(b, t, dense_kind, width, planes, at, hist)
+                at += len(t)
+            streams = [_encode_stream(planes[p], hist[p], zstd) for p in range(width)]
+            return _RECORD_HEAD.pack(DENSE, dense_kind) + b"".join(streams), count, counts
+    values = _SCRATCH.array("planes", (width, count), np.uint8)
+    hist = np.zeros((width, 256), dtype=np.int64)
+    kernels.value_planes(old, new, sparse_kind, width, values, 0, hist)
+    streams = [_encode_stream(gaps[p], gap_hist[p], None) for p in range(kernels.GAP_PLANES)]
+    streams += [_encode_stream(values[p], hist[p], None) for p in range(width)]
+    return _RECORD_HEAD.pack(SPARSE, sparse_kind) + b"".join(streams), count, counts
 
-    candidates: list[tuple[int, dict, list[bytes]]] = []
-    if count * 4 < n * 3:  # sparse only makes sense when not nearly everything changed
-        gaps = np.diff(positions, prepend=-1) - 1
-        k, rice_bits = _rice_parameter(gaps, n, count)
-        if rice_bits < n:
-            unary, rem, unary_bits = _rice_encode(gaps, k)
-            pos_streams, pos_kind, pos_packed = [unary, rem], "rice", [False, False]
-        else:
-            mask = np.zeros(n, dtype=bool)
-            mask[positions] = True
-            bitmap, packed = _maybe_compress(zstd, np.packbits(mask).tobytes())
-            pos_streams, pos_kind, pos_packed, k, unary_bits = [bitmap, b""], "bitmap", [packed, False], 0, 0
-        old_vals = _cat([b[p] for b, p in zip(base, local, strict=True)])
-        new_vals = _cat([t[p] for t, p in zip(target, local, strict=True)])
-        xor_vals = _maybe_compress(zstd, _planes(old_vals ^ new_vals))
-        (vals, vals_packed), kind = xor_vals, "xor"
-        if len(xor_vals[0]) > new_vals.nbytes // 2:  # XOR did not help much: try replacement bits
-            raw_vals = _maybe_compress(zstd, _planes(new_vals))
-            if len(raw_vals[0]) < len(xor_vals[0]):
-                (vals, vals_packed), kind = raw_vals, "raw"
-        streams = [*pos_streams, vals]
-        entry = _entry(
-            start,
-            n,
-            "sparse",
-            pos_kind,
-            kind,
-            count,
-            [len(s) for s in streams],
-            [*pos_packed, vals_packed],
-            rice_k=k,
-            unary_bits=unary_bits,
+
+_SAMPLE = 1 << 16
+
+
+def _diff(base: list[np.ndarray], target: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Changed positions (in the chunk), old and new bits of a chunk's segments, in this thread's
+    scratch: it starts at a sixteenth of the chunk (1% density never grows it) and doubles when full."""
+    n = sum(len(t) for t in target)
+    dtype = target[0].dtype
+    cap = max(4096, n // 16, _SCRATCH.capacity("positions", np.uint32))
+
+    def buffers(cap: int, keep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (
+            _SCRATCH.array("positions", cap, np.uint32, keep=keep * 4),
+            _SCRATCH.array("old", cap, dtype, keep=keep * dtype.itemsize),
+            _SCRATCH.array("new", cap, dtype, keep=keep * dtype.itemsize),
         )
-        candidates.append((sum(len(s) for s in streams), entry, streams))
-    if count * 5 > n:  # dense only makes sense when a good share changed
-        xor_all = _maybe_compress(zstd, _planes(_cat([b ^ t for b, t in zip(base, target, strict=True)])))
-        raw_all = _maybe_compress(zstd, _planes(_cat(target)))
-        (vals, packed), kind = (xor_all, "xor") if len(xor_all[0]) <= len(raw_all[0]) else (raw_all, "raw")
-        entry = _entry(start, n, "dense", "none", kind, count, [0, 0, len(vals)], [False, False, packed])
-        candidates.append((len(vals), entry, [vals]))
-    _, entry, streams = min(candidates, key=lambda c: c[0])
-    return entry, streams, counts
+
+    positions, old, new = buffers(cap, 0)
+    count, offset = 0, 0
+    for b, t in zip(base, target, strict=True):
+        (bw, per), (tw, _) = _words(b), _words(t)
+        word = 0
+        while word >= 0:
+            count, word = kernels.diff(b, t, bw, tw, per, word, offset, positions, old, new, count)
+            if word >= 0:
+                cap *= 2
+                positions, old, new = buffers(cap, count)
+        offset += len(t)
+    return positions[:count], old[:count], new[:count], count
 
 
-def _entry(start, length, encoding, positions, values, changed, sizes, compressed, rice_k=0, unary_bits=0) -> dict:
-    return {
-        "start": start,
-        "length": length,
-        "encoding": encoding,
-        "positions": positions,
-        "values": values,
-        "changed": changed,
-        "rice_k": rice_k,
-        "unary_bits": unary_bits,
-        "stream_sizes": sizes,
-        "compressed": compressed,
-    }
-
-
-def _apply_chunk(
-    zstd: _Zstd, chunk: ChunkEntry, payload: memoryview, segments: list[np.ndarray], dtype: np.dtype
-) -> None:
+def _apply_chunk(chunk: ChunkEntry, payload: np.ndarray, segments: list[np.ndarray], width: int) -> list[bool]:
     """Apply one chunk in place to its segments: flat arrays holding the base bits, which together
-    span the chunk's `length` elements (one slice of a large tensor, or several small tensors)."""
-    if chunk.encoding == "same":
-        return
+    span the chunk's `length` elements (one slice of a large tensor, or several small tensors).
+    Returns which segments it wrote to."""
     if sum(len(s) for s in segments) != chunk.length:
         raise PatchFormatError(
             f"chunk at {chunk.start} covers {chunk.length} elements, its tensors hold {sum(len(s) for s in segments)}"
         )
-    streams, cursor = [], chunk.offset
-    for size in chunk.stream_sizes:
-        streams.append(payload[cursor : cursor + size])
-        cursor += size
-
-    def stream(i: int, raw_size: int) -> bytes:
-        return zstd.decompress(streams[i], raw_size) if chunk.compressed[i] else bytes(streams[i])
-
-    width = dtype.itemsize
-    xor = chunk.values == "xor"
-    if chunk.encoding == "dense":
-        values = _from_planes(stream(2, chunk.length * width), dtype, chunk.length)
+    if chunk.changed == 0:
+        if chunk.size != 0:
+            raise PatchFormatError(f"chunk at {chunk.start} changes nothing but has a {chunk.size}-byte record")
+        return [False] * len(segments)
+    if not 0 < chunk.changed <= chunk.length or chunk.size < _RECORD_HEAD.size:
+        raise PatchFormatError(f"chunk at {chunk.start}: {chunk.changed} changes in {chunk.length} elements")
+    if chunk.offset < 0 or chunk.size > len(payload) - chunk.offset:
+        raise PatchFormatError(f"chunk at {chunk.start}: record runs past the payload")
+    record = payload[chunk.offset : chunk.offset + chunk.size]
+    mode, kind = _RECORD_HEAD.unpack_from(record)
+    if kind not in (kernels.XOR, kernels.ULP, kernels.RAW):
+        raise PatchFormatError(f"chunk at {chunk.start}: unknown value transform {kind}")
+    segments = [_plain(s) for s in segments]
+    cursor = _RECORD_HEAD.size
+    if mode == DENSE:
+        values = _SCRATCH.array("planes", (width, chunk.length), np.uint8)
+        for p in range(width):
+            cursor = _decode_stream(record, cursor, values[p])
+        if cursor != len(record):
+            raise PatchFormatError(f"chunk at {chunk.start}: {len(record) - cursor} bytes after its streams")
         at = 0
         for segment in segments:
-            part = values[at : at + len(segment)]
-            if xor:
-                segment ^= part
-            else:
-                segment[:] = part
+            kernels.apply_dense(segment, values, at, kind, width)
             at += len(segment)
-        return
-    if chunk.positions == "rice":
-        positions = _rice_decode(bytes(streams[0]), bytes(streams[1]), chunk.rice_k, chunk.changed, chunk.unary_bits)
-    else:
-        mask_bytes = stream(0, (chunk.length + 7) // 8)
-        positions = np.flatnonzero(np.unpackbits(np.frombuffer(mask_bytes, np.uint8), count=chunk.length))
-    if len(positions) != chunk.changed or (len(positions) and positions[-1] >= chunk.length):
-        raise PatchFormatError(f"chunk at {chunk.start}: positions do not fit a chunk of {chunk.length}")
-    values = _from_planes(stream(2, chunk.changed * width), dtype, chunk.changed)
+        return [len(s) > 0 for s in segments]
+    if mode != SPARSE:
+        raise PatchFormatError(f"chunk at {chunk.start}: unknown mode {mode}")
+    count = chunk.changed
+    gaps = _SCRATCH.array("gaps", (kernels.GAP_PLANES, count), np.uint8)
+    for p in range(kernels.GAP_PLANES):
+        cursor = _decode_stream(record, cursor, gaps[p])
+    values = _SCRATCH.array("planes", (width, count), np.uint8)
+    for p in range(width):
+        cursor = _decode_stream(record, cursor, values[p])
+    if cursor != len(record):
+        raise PatchFormatError(f"chunk at {chunk.start}: {len(record) - cursor} bytes after its streams")
+    positions = _SCRATCH.array("positions", count, np.uint32)
+    if kernels.positions_from_gaps(gaps, chunk.length, positions) != 0:
+        raise PatchFormatError(f"chunk at {chunk.start}: positions run past its {chunk.length} elements")
     if len(segments) == 1:
-        bounds = [0, len(positions)]
-        offsets = [0]
+        bounds, offsets = [0, count], [0]
     else:
-        offsets = np.cumsum([0] + [len(s) for s in segments[:-1]])
-        bounds = np.searchsorted(positions, np.append(offsets, chunk.length)).tolist()
+        offsets = np.cumsum([0] + [len(s) for s in segments[:-1]]).tolist()
+        bounds = np.searchsorted(positions, offsets + [chunk.length]).tolist()
+    touched = []
     for segment, offset, lo, hi in zip(segments, offsets, bounds[:-1], bounds[1:], strict=True):
-        if lo == hi:
-            continue
-        local = positions[lo:hi] - offset if offset else positions[lo:hi]
-        if xor:
-            segment[local] ^= values[lo:hi]
-        else:
-            segment[local] = values[lo:hi]
+        touched.append(hi > lo)
+        if hi > lo and kernels.scatter(segment, positions, lo, hi, offset, values, kind, width) != 0:
+            raise PatchFormatError(f"chunk at {chunk.start}: a position falls outside its tensor")
+    return touched
 
 
 # ---------------------------------------------------------------- whole patches
@@ -411,7 +425,9 @@ def encode(
 
     `base_checksums` / `target_checksums`: xxh3-128 by tensor name that the caller already computed
     (the chain hashed the base when it was the previous target); those are not hashed again.
+    `level` is the zstd level for streams where zstd is tried (whole new tensors).
     """
+    chunk_elements = max(1, min(chunk_elements, MAX_CHUNK_ELEMENTS))
     zstd = _Zstd(level)
     plan = _plan_groups(base, target, chunk_elements)
     jobs = []
@@ -423,7 +439,7 @@ def encode(
         for start in range(0, max(size, 1), chunk_elements):
             jobs.append((g, start, names, min(start + chunk_elements, size)))
 
-    def run(job: tuple) -> tuple[dict, list[bytes], list[int] | None]:
+    def run(job: tuple) -> tuple[bytes, int, list[int] | None]:
         g, start, names, end = job
         has_base = plan[g][1] and base is not None
         if end is None:
@@ -432,7 +448,7 @@ def encode(
         else:
             tgt = [target[names[0]].bits[start:end]]
             old = [base[names[0]].bits[start:end]] if has_base else None
-        return _encode_chunk(zstd, start, old, tgt)
+        return _encode_chunk(zstd, old, tgt)
 
     known_base, known_target = base_checksums or {}, target_checksums or {}
 
@@ -445,28 +461,25 @@ def encode(
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=_threads())
     try:
+        # Hashes and chunks in one queue: a large tensor's hash overlaps other chunks' coding.
+        names_in_order = [(n, hb) for _, hb, names in plan for n in names]
+        sum_futures = [pool.submit(sums, n, hb) for n, hb in names_in_order]
         results = list(pool.map(run, jobs))
-        checksums = dict(
-            zip(
-                [n for _, _, names in plan for n in names],
-                pool.map(lambda item: sums(*item), [(n, hb) for _, hb, names in plan for n in names]),
-                strict=True,
-            )
-        )
+        checksums = {n: f.result() for (n, _), f in zip(names_in_order, sum_futures, strict=True)}
     finally:
         if own_pool:
             pool.shutdown()
     payload: list[bytes] = []
     offset = 0
     chunks: list[list[ChunkEntry]] = [[] for _ in plan]
-    per_tensor: dict[int, np.ndarray] = {}
-    for (g, _, _, end), (entry, streams, counts) in zip(jobs, results, strict=True):
-        chunks[g].append(ChunkEntry(offset=offset, **entry))
+    per_tensor: dict[int, list[int]] = {}
+    for (g, start, names, end), (record, changed, counts) in zip(jobs, results, strict=True):
+        length = sum(len(target[n].bits) for n in names) if end is None else end - start
+        chunks[g].append(ChunkEntry(start=start, length=length, changed=changed, offset=offset, size=len(record)))
         if counts is not None and end is None:
-            per_tensor[g] = np.asarray(counts)
-        for stream in streams:
-            payload.append(stream)
-            offset += len(stream)
+            per_tensor[g] = counts
+        payload.append(record)
+        offset += len(record)
     groups = []
     for g, (dtype, has_base, names) in enumerate(plan):
         tensors, at = [], 0
@@ -477,7 +490,7 @@ def encode(
             elif len(names) == 1:
                 changed = sum(c.changed for c in chunks[g])
             else:
-                changed = int(per_tensor[g][i]) if g in per_tensor else 0
+                changed = per_tensor[g][i]
             base_sum, target_sum = checksums[name]
             tensors.append(
                 TensorEntry(
@@ -516,13 +529,17 @@ def read_header(patch: bytes | memoryview) -> tuple[PatchHeader, memoryview]:
     if magic != MAGIC:
         raise PatchFormatError(f"not a sprawl patch (magic {bytes(magic)!r})")
     if version != FORMAT_VERSION:
-        raise PatchFormatError(f"patch format v{version}; this codec reads v{FORMAT_VERSION}")
+        raise PatchFormatError(f"patch format v{version}; this codec reads v{FORMAT_VERSION} only")
     start = _PREAMBLE.size
+    if header_len > len(view) - start:
+        raise PatchFormatError(f"patch header of {header_len} bytes runs past the patch's {len(view)} bytes")
     try:
         raw = zstandard.ZstdDecompressor().decompress(view[start : start + header_len], max_output_size=1 << 30)
         header = msgspec.msgpack.decode(raw, type=PatchHeader)
     except (msgspec.DecodeError, msgspec.ValidationError, zstandard.ZstdError) as exc:
         raise PatchFormatError(f"corrupt patch header: {exc}") from exc
+    if header.format_version != FORMAT_VERSION:
+        raise PatchFormatError(f"patch header says format v{header.format_version}, its preamble v{version}")
     payload = view[start + header_len :]
     if len(payload) != header.payload_bytes:
         raise PatchFormatError(f"patch payload is {len(payload)} bytes, header says {header.payload_bytes}")
@@ -535,16 +552,40 @@ class ChecksumMismatch(PatchFormatError):
         super().__init__(f"tensor {name}: {which} checksum is {actual}, patch expects {expected}")
 
 
+def _check_layout(group: GroupEntry) -> None:
+    """Sizes and chunk bounds, before any kernel touches memory on their word."""
+    if group.dtype not in _WIDTHS:
+        raise PatchFormatError(f"group of unknown dtype {group.dtype!r}")
+    offset = 0
+    for t in group.tensors:
+        if any(d < 0 for d in t.shape) or t.offset != offset:
+            raise PatchFormatError(f"tensor {t.name}: shape {t.shape} at offset {t.offset} does not fit its group")
+        offset += math.prod(t.shape)
+    if offset != group.elements:
+        raise PatchFormatError(
+            f"group of {[t.name for t in group.tensors][:3]}: tensor sizes do not add up to {group.elements} elements"
+        )
+    for chunk in group.chunks:
+        if len(group.tensors) > 1:
+            ok = chunk.start == 0 and chunk.length == group.elements and len(group.chunks) == 1
+        else:
+            ok = 0 <= chunk.start and 0 <= chunk.length <= MAX_CHUNK_ELEMENTS
+            ok = ok and chunk.start + chunk.length <= group.elements
+        if not ok:
+            raise PatchFormatError(f"chunk at {chunk.start} of {chunk.length} elements does not fit its group")
+
+
+_WIDTHS = {name: bits_dtype(name).itemsize for name in ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2", "I8",
+                                                           "U8", "I16", "I32", "I64", "BOOL")}
+
+
 def _prepare_group(
     group: GroupEntry, base: dict[str, np.ndarray] | None, *, verify: bool, verify_base: bool, inplace: bool
 ) -> list[np.ndarray]:
     """The arrays a group's chunks are applied to: the caller's (inplace) or copies, bases checked."""
+    _check_layout(group)
     dtype = bits_dtype(group.dtype)
     entries = group.tensors
-    if sum(math.prod(t.shape) for t in entries) != group.elements:
-        raise PatchFormatError(
-            f"group of {[t.name for t in entries][:3]}: tensor sizes do not add up to {group.elements} elements"
-        )
     if not group.has_base:
         return [np.zeros(math.prod(t.shape), dtype=dtype) for t in entries]
     if base is None or any(t.name not in base for t in entries):
@@ -564,17 +605,26 @@ def _prepare_group(
     return arrays
 
 
-def _apply_group_chunk(group: GroupEntry, chunk: ChunkEntry, payload: memoryview, arrays: list[np.ndarray]) -> None:
-    segments = [arrays[0][chunk.start : chunk.start + chunk.length]] if len(group.tensors) == 1 else arrays
+def _apply_group_chunk(
+    group: GroupEntry, chunk: ChunkEntry, payload: np.ndarray, arrays: list[np.ndarray]
+) -> list[bool]:
+    """Apply one chunk; which of the group's tensors it wrote to."""
+    single = len(group.tensors) == 1
+    segments = [arrays[0][chunk.start : chunk.start + chunk.length]] if single else arrays
     try:
-        _apply_chunk(_THREAD_ZSTD, chunk, payload, segments, bits_dtype(group.dtype))
+        return _apply_chunk(chunk, payload, segments, _WIDTHS[group.dtype])
     except PatchFormatError:
         raise
-    except (zstandard.ZstdError, ValueError, IndexError) as exc:
-        # Damaged streams surface as decoder errors; they mean one thing: this patch is unusable.
-        raise PatchFormatError(
-            f"group {group.tensors[0].name}..., chunk at {chunk.start}: damaged stream ({exc})"
-        ) from exc
+    except (ValueError, IndexError, struct.error) as exc:
+        # Whatever else a damaged record trips over means one thing: this patch is unusable.
+        raise PatchFormatError(f"group {group.tensors[0].name}..., chunk at {chunk.start}: damaged ({exc})") from exc
+
+
+def _needs_hash(group: GroupEntry, entry: TensorEntry, touched: bool) -> bool:
+    """A tensor no chunk wrote to is its base: when that base is known good (the caller vouches or it
+    was just hashed) and the patch says base and target bits are the same, hashing it again proves
+    nothing. Only tensors that changed are hashed."""
+    return not (group.has_base and not touched and entry.base_checksum == entry.target_checksum)
 
 
 def _verify_tensor(entry: TensorEntry, bits: np.ndarray) -> None:
@@ -584,6 +634,20 @@ def _verify_tensor(entry: TensorEntry, bits: np.ndarray) -> None:
 
 
 _THREAD_ZSTD = _Zstd(ZSTD_LEVEL)  # decompression contexts, one per thread
+_SCRATCH = Scratch()
+
+
+def _payload_array(payload: memoryview | bytes | np.ndarray) -> np.ndarray:
+    return payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, dtype=np.uint8)
+
+
+def _group_touched(group: GroupEntry, results: list[list[bool]]) -> list[bool]:
+    if len(group.tensors) == 1:
+        return [any(r[0] for r in results)]
+    touched = [False] * len(group.tensors)
+    for r in results:
+        touched = [a or b for a, b in zip(touched, r, strict=True)]
+    return touched
 
 
 def apply_group(
@@ -597,16 +661,19 @@ def apply_group(
 ) -> dict[str, np.ndarray]:
     """Reconstruct one group's tensors (flat arrays), serially.
 
-    With `inplace`, the caller's base arrays are overwritten and returned; otherwise they are left
-    untouched. `verify_base=False` skips hashing bases whose checksums the caller already knows
-    (e.g. the previous patch's verified targets).
+    With `inplace`, the caller's base arrays (e.g. writable np.memmap views of the served files) are
+    written in place, only where bits change, and returned; otherwise they are left untouched.
+    `verify_base=False` skips hashing bases the caller knows to hash to the patch's base checksums
+    (e.g. the previous patch's verified targets); tensors the patch leaves unchanged are then not
+    hashed at all.
     """
     arrays = _prepare_group(group, base, verify=verify, verify_base=verify_base, inplace=inplace)
-    for chunk in group.chunks:
-        _apply_group_chunk(group, chunk, payload, arrays)
+    data = _payload_array(payload)
+    results = [_apply_group_chunk(group, chunk, data, arrays) for chunk in group.chunks]
     if verify:
-        for entry, bits in zip(group.tensors, arrays, strict=True):
-            _verify_tensor(entry, bits)
+        for entry, bits, touched in zip(group.tensors, arrays, _group_touched(group, results), strict=True):
+            if _needs_hash(group, entry, touched):
+                _verify_tensor(entry, bits)
     return {t.name: bits for t, bits in zip(group.tensors, arrays, strict=True)}
 
 
@@ -618,12 +685,14 @@ def apply(
     verify_base: bool = True,
     pool: ThreadPoolExecutor | None = None,
 ) -> dict[str, TensorBits]:
-    """Apply a whole patch; every tensor's target checksum (and base checksum) is verified.
+    """Apply a whole patch; every changed tensor's target checksum (and, unless `verify_base` is
+    False, every base checksum) is verified.
 
     Work is spread over the pool chunk by chunk (chunks touch disjoint elements), then tensor by
     tensor for the checksums. With `inplace`, base arrays are overwritten (the caller owns them).
     """
     header, payload = read_header(patch)
+    data = _payload_array(payload)
     base_bits = {n: b.bits for n, b in base.items()} if base is not None else None
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=_threads())
@@ -635,8 +704,18 @@ def apply(
             )
         )
         jobs = [(g, c) for g in range(len(header.groups)) for c in header.groups[g].chunks]
-        list(pool.map(lambda job: _apply_group_chunk(header.groups[job[0]], job[1], payload, arrays[job[0]]), jobs))
-        pairs = [(t, a) for g, group in enumerate(header.groups) for t, a in zip(group.tensors, arrays[g], strict=True)]
+        results = list(
+            pool.map(lambda job: _apply_group_chunk(header.groups[job[0]], job[1], data, arrays[job[0]]), jobs)
+        )
+        by_group: list[list[list[bool]]] = [[] for _ in header.groups]
+        for (g, _), touched in zip(jobs, results, strict=True):
+            by_group[g].append(touched)
+        pairs = [
+            (t, a)
+            for g, group in enumerate(header.groups)
+            for t, a, touched in zip(group.tensors, arrays[g], _group_touched(group, by_group[g]), strict=True)
+            if _needs_hash(group, t, touched)
+        ]
         list(pool.map(lambda pair: _verify_tensor(*pair), pairs))
     finally:
         if own_pool:
