@@ -8,6 +8,10 @@ the PolicyVersion event: create-only and fenced on the previous version, so a
 second trainer fails instead of forking the chain. With a signing key the event is
 signed (`pipeline/version_signing.py`) before it is appended: islands pinned to the
 key serve nothing else.
+
+Besides its own patch (or keyframe), a version lists skip patches from older versions the
+publisher still holds: the configured skip distances, and for a keyframe also the previous
+version, so a follower never downloads a whole keyframe just because the trainer wrote one.
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ from pipeline.views import get_view
 from schemas import BlobPointer, PolicyVersion, SkipPatch, TensorDigest, ViewVersion
 
 log = get_logger(__name__)
+
+
+def _same_tensors(a: Mapping[str, TensorBits], b: Mapping[str, TensorBits]) -> bool:
+    """Same names, dtypes and shapes: what a patch from `a` to `b` needs."""
+    return a.keys() == b.keys() and all((a[n].dtype, a[n].shape) == (b[n].dtype, b[n].shape) for n in a)
 
 
 class VersionOutOfOrder(SprawlError):
@@ -164,7 +173,7 @@ class ChainPublisher:
         keyframe = (
             version % self.settings.keyframe_every == 0
             or previous is None
-            or set(previous) != set(bits)
+            or not _same_tensors(previous, bits)
             or set(bits) != set(state.weight_map)
         )
         names = sorted(bits)
@@ -172,6 +181,7 @@ class ChainPublisher:
         digests = [
             TensorDigest(name=n, dtype=bits[n].dtype, shape=list(bits[n].shape), xxh3=sums[n], changed=0) for n in names
         ]
+        layout_before = dict(state.weight_map)
         if keyframe:
             blobs, changed_by_tensor = self._upload_keyframe(name, view, tensors, prefix, state)
             base_version = None
@@ -192,29 +202,32 @@ class ChainPublisher:
             TensorDigest(name=d.name, dtype=d.dtype, shape=d.shape, xxh3=d.xxh3, changed=changed_by_tensor[d.name])
             for d in digests
         ]
+        # Patches are cut along the shards of this version's layout: one from v-k is only usable by a
+        # follower whose copy of v-k has the same shards (always so unless a keyframe re-cut them).
+        distances = set(self.settings.skip_distances) | ({1} if keyframe else set())
         skips = []
-        if not keyframe:
-            for k in sorted(set(self.settings.skip_distances)):
-                older = state.history.get(version - k)
-                if k > 1 and older is not None and set(older) == set(bits):
-                    skip_blobs, skip_changed = self._upload_patch(
-                        name,
-                        older,
-                        bits,
-                        version - k,
-                        version,
-                        f"{prefix}/patch-from-v{version - k}",
-                        state,
-                        (state.checksums[version - k], sums),
-                    )
-                    skips.append(
-                        SkipPatch(
-                            base_version=version - k,
-                            blobs=skip_blobs,
-                            bytes=sum(b.bytes for b in skip_blobs),
-                            changed_elements=sum(skip_changed.values()),
-                        )
-                    )
+        for k in sorted(distances) if state.weight_map == layout_before else []:
+            older = state.history.get(version - k)
+            if older is None or not _same_tensors(older, bits):
+                continue
+            skip_blobs, skip_changed = self._upload_patch(
+                name,
+                older,
+                bits,
+                version - k,
+                version,
+                f"{prefix}/patch-from-v{version - k}",
+                state,
+                (state.checksums[version - k], sums),
+            )
+            skips.append(
+                SkipPatch(
+                    base_version=version - k,
+                    blobs=skip_blobs,
+                    bytes=sum(b.bytes for b in skip_blobs),
+                    changed_elements=sum(skip_changed.values()),
+                )
+            )
         state.history[version] = bits
         state.checksums[version] = sums
         horizon = max([1, *self.settings.skip_distances])
