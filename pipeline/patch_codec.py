@@ -251,11 +251,8 @@ def _encode_chunk(
         streams = [_encode_stream(planes[p], None, zstd) for p in range(width)]
         return _RECORD_HEAD.pack(DENSE, kernels.RAW) + b"".join(streams), n, None
     base = [_plain(b) for b in base]
-    positions, old, new, count = _diff(base, target)
-    if len(target) == 1:
-        counts = [count]
-    else:
-        counts = [int(c) for c in np.diff(np.searchsorted(positions, np.cumsum([0] + [len(t) for t in target])))]
+    positions, old, new, counts = _diff(base, target)
+    count = len(positions)
     if count == 0:
         return b"", 0, counts
     # Transforms are compared on a sample: enough to rank them, a fraction of the work.
@@ -264,7 +261,7 @@ def _encode_chunk(
     value_costs = [sum(_stream_cost(value_hist[k, p] * stride, count) for p in range(width)) for k in range(3)]
     gaps = _SCRATCH.array("gaps", (kernels.GAP_PLANES, count), np.uint8)
     gap_hist = kernels.gap_planes(positions, gaps)
-    sparse_kind = int(np.argmin(value_costs))
+    sparse_kind = min(_TRANSFORMS, key=lambda k: value_costs[k])
     sparse_cost = sum(_stream_cost(gap_hist[p], count) for p in range(kernels.GAP_PLANES)) + value_costs[sparse_kind]
     if count * 4 > n:  # a good share changed: every element's value may code smaller than positions + values
         stride = max(1, n // _SAMPLE)
@@ -272,7 +269,7 @@ def _encode_chunk(
         for b, t in zip(base, target, strict=True):
             kernels.dense_histograms(b, t, width, stride, dense_hist)
         dense_costs = [sum(_stream_cost(dense_hist[k, p] * stride, n) for p in range(width)) for k in range(3)]
-        dense_kind = int(np.argmin(dense_costs))
+        dense_kind = min(_TRANSFORMS, key=lambda k: dense_costs[k])
         if dense_costs[dense_kind] < sparse_cost:
             planes = _SCRATCH.array("planes", (width, n), np.uint8)
             hist = np.zeros((width, 256), dtype=np.int64)
@@ -291,11 +288,14 @@ def _encode_chunk(
 
 
 _SAMPLE = 1 << 16
+_TRANSFORMS = (kernels.XOR, kernels.ULP, kernels.RAW)
+"""The value transforms the encoder may pick from (tests narrow it to exercise each one)."""
 
 
-def _diff(base: list[np.ndarray], target: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def _diff(base: list[np.ndarray], target: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
     """Changed positions (in the chunk), old and new bits of a chunk's segments, in this thread's
-    scratch: it starts at a sixteenth of the chunk (1% density never grows it) and doubles when full."""
+    scratch (it starts at a sixteenth of the chunk and doubles when full), and the changed count of
+    each segment."""
     n = sum(len(t) for t in target)
     dtype = target[0].dtype
     cap = max(4096, n // 16, _SCRATCH.capacity("positions", np.uint32))
@@ -308,17 +308,18 @@ def _diff(base: list[np.ndarray], target: list[np.ndarray]) -> tuple[np.ndarray,
         )
 
     positions, old, new = buffers(cap, 0)
-    count, offset = 0, 0
+    count, offset, counts = 0, 0, []
     for b, t in zip(base, target, strict=True):
         (bw, per), (tw, _) = _words(b), _words(t)
-        word = 0
+        word, before = 0, count
         while word >= 0:
             count, word = kernels.diff(b, t, bw, tw, per, word, offset, positions, old, new, count)
             if word >= 0:
                 cap *= 2
                 positions, old, new = buffers(cap, count)
+        counts.append(count - before)
         offset += len(t)
-    return positions[:count], old[:count], new[:count], count
+    return positions[:count], old[:count], new[:count], counts
 
 
 def _apply_chunk(chunk: ChunkEntry, payload: np.ndarray, segments: list[np.ndarray], width: int) -> list[bool]:
@@ -372,7 +373,8 @@ def _apply_chunk(chunk: ChunkEntry, payload: np.ndarray, segments: list[np.ndarr
         bounds, offsets = [0, count], [0]
     else:
         offsets = np.cumsum([0] + [len(s) for s in segments[:-1]]).tolist()
-        bounds = np.searchsorted(positions, offsets + [chunk.length]).tolist()
+        # Searched as u32 like the positions (int64 bounds would convert the whole array first).
+        bounds = np.searchsorted(positions, np.array(offsets + [chunk.length], dtype=np.uint32)).tolist()
     touched = []
     for segment, offset, lo, hi in zip(segments, offsets, bounds[:-1], bounds[1:], strict=True):
         touched.append(hi > lo)
@@ -505,7 +507,8 @@ def encode(
             at += len(tgt.bits)
         groups.append(GroupEntry(dtype=dtype, elements=at, has_base=has_base, tensors=tensors, chunks=chunks[g]))
     # Names repeat their prefixes across hundreds of tensors: zstd shrinks the header several-fold.
-    header = zstandard.ZstdCompressor(level=9).compress(
+    # Its content checksum (xxh64) catches damage the msgpack decoder would not (a version number).
+    header = zstandard.ZstdCompressor(level=9, write_checksum=True).compress(
         msgspec.msgpack.encode(
             PatchHeader(
                 format_version=FORMAT_VERSION,
