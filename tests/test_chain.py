@@ -58,14 +58,18 @@ async def test_twenty_versions_materialize_bit_exact_along_every_route(event_log
     for v in range(20):
         got = await follower.materialize(v)
         assert got.root_hash == roots[v]["fp8_e4m3"] == verify_directory(got.path)
-        if v % 7 == 0:
-            assert (got.route, got.slot) == (f"keyframe:v{v}", "new")
-        elif v % 7 == 1:  # one slot so far: the served keyframe is copied once to make the second
-            assert (got.route, got.slot) == (f"cache:v{v - 1} -> patch:v{v}", f"copy of v{v - 1}")
+        entry = events[v].views[1]
+        if v == 0:
+            assert (got.route, got.slot) == ("keyframe:v0", "new")
+        elif v == 1:  # one slot so far: the served keyframe is copied once to make the second
+            assert (got.route, got.slot) == ("cache:v0 -> patch:v1", "copy of v0")
         else:  # the standby slot catches up two versions, the older patch read from the local store
-            assert got.route == f"cache:v{v - 2} -> patch:v{v - 1} -> patch:v{v}"
+            last = "patch" if entry.kind == "patch" else "skip"  # a keyframe is reached by its patch from v-1
+            assert got.route == f"cache:v{v - 2} -> {'patch' if v % 7 != 1 else 'skip'}:v{v - 1} -> {last}:v{v}"
             assert got.slot == f"recycled v{v - 2}"
-        assert got.downloaded_bytes == events[v].views[1].bytes  # every blob crosses the network once
+        # every blob crosses the network once, and onto a keyframe only its patch from v-1
+        onto_keyframe = {s.base_version: s.bytes for s in entry.skip_patches}.get(v - 1)
+        assert got.downloaded_bytes == (entry.bytes if entry.kind == "patch" or v == 0 else onto_keyframe)
     assert follower.current() == follower.path_of(19)
     assert follower.cached_versions() == [18, 19]  # keep_versions: the served one and the standby
 
