@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import struct
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
@@ -374,7 +374,7 @@ def _apply_chunk(chunk: ChunkEntry, payload: np.ndarray, segments: list[np.ndarr
     else:
         offsets = np.cumsum([0] + [len(s) for s in segments[:-1]]).tolist()
         # Searched as u32 like the positions (int64 bounds would convert the whole array first).
-        bounds = np.searchsorted(positions, np.array(offsets + [chunk.length], dtype=np.uint32)).tolist()
+        bounds = np.searchsorted(positions, np.array([*offsets, chunk.length], dtype=np.uint32)).tolist()
     touched = []
     for segment, offset, lo, hi in zip(segments, offsets, bounds[:-1], bounds[1:], strict=True):
         touched.append(hi > lo)
@@ -572,14 +572,16 @@ def _check_layout(group: GroupEntry) -> None:
         if len(group.tensors) > 1:
             ok = chunk.start == 0 and chunk.length == group.elements and len(group.chunks) == 1
         else:
-            ok = 0 <= chunk.start and 0 <= chunk.length <= MAX_CHUNK_ELEMENTS
+            ok = chunk.start >= 0 and 0 <= chunk.length <= MAX_CHUNK_ELEMENTS
             ok = ok and chunk.start + chunk.length <= group.elements
         if not ok:
             raise PatchFormatError(f"chunk at {chunk.start} of {chunk.length} elements does not fit its group")
 
 
-_WIDTHS = {name: bits_dtype(name).itemsize for name in ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2", "I8",
-                                                           "U8", "I16", "I32", "I64", "BOOL")}
+_WIDTHS = {
+    name: bits_dtype(name).itemsize
+    for name in ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2", "I8", "U8", "I16", "I32", "I64", "BOOL")
+}
 
 
 def _prepare_group(

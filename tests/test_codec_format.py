@@ -78,8 +78,11 @@ def test_each_value_transform_is_picked_where_it_codes_smallest():
     pruned[idx] = 0
     pruned_idx = idx[base[idx] != 0]
 
-    for target, kind, changed in ((nudged, kernels.ULP, len(idx)), (flipped, kernels.XOR, len(idx)),
-                                  (pruned, kernels.RAW, len(pruned_idx))):
+    for target, kind, changed in (
+        (nudged, kernels.ULP, len(idx)),
+        (flipped, kernels.XOR, len(idx)),
+        (pruned, kernels.RAW, len(pruned_idx)),
+    ):
         patch = _round_trip(*_pair(base, target))
         (record,) = _records(patch)
         assert record[0] == patch_codec.SPARSE and record[1] == kind
@@ -370,7 +373,9 @@ def test_forged_chunk_records_are_refused(record):
     chunk = msgspec.structs.replace(group.chunks[0], offset=0, size=len(record))
     forged = _rebuild(
         patch,
-        msgspec.structs.replace(header, groups=[msgspec.structs.replace(group, chunks=[chunk])], payload_bytes=len(record)),
+        msgspec.structs.replace(
+            header, groups=[msgspec.structs.replace(group, chunks=[chunk])], payload_bytes=len(record)
+        ),
         record,
     )
     with pytest.raises(PatchFormatError):

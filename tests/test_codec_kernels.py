@@ -115,8 +115,13 @@ def test_rans_comes_close_to_the_order0_entropy():
 
 
 def _decode(stream: bytes, n: int) -> int:
-    return rans.decode(np.frombuffer(stream, dtype=np.uint8), 0, len(stream), np.empty(n, dtype=np.uint8),
-                       np.empty(rans.M, dtype=np.uint64))
+    return rans.decode(
+        np.frombuffer(stream, dtype=np.uint8),
+        0,
+        len(stream),
+        np.empty(n, dtype=np.uint8),
+        np.empty(rans.M, dtype=np.uint64),
+    )
 
 
 def test_hostile_rans_streams_are_refused_not_read_past():

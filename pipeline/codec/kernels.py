@@ -73,8 +73,19 @@ def _inverse(kind: int, old, v, full, sign_shift, magnitude):
 
 
 @njit(nogil=True, cache=True)
-def diff(base: np.ndarray, target: np.ndarray, base_words: np.ndarray, target_words: np.ndarray, per: int,
-         word: int, offset: int, positions: np.ndarray, old: np.ndarray, new: np.ndarray, count: int) -> tuple:
+def diff(
+    base: np.ndarray,
+    target: np.ndarray,
+    base_words: np.ndarray,
+    target_words: np.ndarray,
+    per: int,
+    word: int,
+    offset: int,
+    positions: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    count: int,
+) -> tuple:
     """Append the changed elements of one segment (positions + offset, old and new bits) after the
     `count` already found, starting at u64 word `word`. Returns (count, word to resume at), the
     latter -1 once the segment is done; the caller grows full outputs and resumes.
@@ -147,8 +158,9 @@ def dense_histograms(base: np.ndarray, target: np.ndarray, width: int, stride: i
 
 
 @njit(nogil=True, cache=True)
-def value_planes(old: np.ndarray, new: np.ndarray, kind: int, width: int, planes: np.ndarray, at: int,
-                 hist: np.ndarray) -> None:
+def value_planes(
+    old: np.ndarray, new: np.ndarray, kind: int, width: int, planes: np.ndarray, at: int, hist: np.ndarray
+) -> None:
     """planes[p, at + i] = byte p (little-endian) of the transformed value of element i; adds them to
     hist[p, byte]."""
     full, sign_shift, magnitude = _masks(width)
@@ -202,8 +214,9 @@ def positions_from_gaps(planes: np.ndarray, length: int, positions: np.ndarray) 
 
 
 @njit(nogil=True, cache=True)
-def scatter(segment: np.ndarray, positions: np.ndarray, lo: int, hi: int, offset: int, planes: np.ndarray,
-            kind: int, width: int) -> int:
+def scatter(
+    segment: np.ndarray, positions: np.ndarray, lo: int, hi: int, offset: int, planes: np.ndarray, kind: int, width: int
+) -> int:
     """Write changes lo..hi-1 into `segment` (positions are relative to segment start - offset) in
     place, touching only those elements; 0, or -1 if a position falls outside the segment."""
     full, sign_shift, magnitude = _masks(width)

@@ -75,9 +75,9 @@ def normalize(hist: np.ndarray) -> np.ndarray:
     while acc != M:
         best = -1
         for s in range(256):
-            if freqs[s] > 1 or (acc < M and freqs[s] > 0):
-                if best < 0 or freqs[s] > freqs[best]:
-                    best = s
+            adjustable = freqs[s] > 1 or (acc < M and freqs[s] > 0)
+            if adjustable and (best < 0 or freqs[s] > freqs[best]):
+                best = s
         if acc > M:
             step = min(acc - M, freqs[best] - 1)
             freqs[best] -= step

@@ -312,26 +312,32 @@ def _average(rows: list[dict]) -> dict:
     return out
 
 
+def _time_ours(
+    base: dict[str, TensorBits], target: dict[str, TensorBits], pool: ThreadPoolExecutor
+) -> tuple[float, float]:
+    """Best encode and in-place apply seconds of our codec on `pool` (as in `compare`)."""
+    base_sums = {n: checksum(b.bits) for n, b in base.items()}
+
+    def encode() -> bytes:
+        return patch_codec.encode(
+            base, target, pool=pool, base_checksums=base_sums, chunk_elements=CHUNK, level=CHAIN.zstd_level
+        )
+
+    patch = encode()
+    encode_s = _best(encode)
+    buffers = iter([{n: TensorBits(b.dtype, b.shape, b.bits.copy()) for n, b in base.items()} for _ in range(REPEATS)])
+    apply_s = _best(lambda: patch_codec.apply(patch, next(buffers), inplace=True, verify_base=False, pool=pool))
+    return encode_s, apply_s
+
+
 def thread_scaling(base: dict[str, TensorBits], target: dict[str, TensorBits], threads: int) -> dict:
     """Our encode and apply with one thread and with `threads`: the kernels release the GIL, so
     chunks (and checksums) should run side by side."""
-    base_sums = {n: checksum(b.bits) for n, b in base.items()}
     mb = sum(t.bits.nbytes for t in target.values()) / 2**20
     out: dict = {"threads": threads}
     for label, count in (("1t", 1), ("nt", threads)):
         with ThreadPoolExecutor(max_workers=count) as pool:
-
-            def encode() -> bytes:
-                return patch_codec.encode(
-                    base, target, pool=pool, base_checksums=base_sums, chunk_elements=CHUNK, level=CHAIN.zstd_level
-                )
-
-            patch = encode()
-            encode_s = _best(encode)
-            buffers = iter(
-                [{n: TensorBits(b.dtype, b.shape, b.bits.copy()) for n, b in base.items()} for _ in range(REPEATS)]
-            )
-            apply_s = _best(lambda: patch_codec.apply(patch, next(buffers), inplace=True, verify_base=False, pool=pool))
+            encode_s, apply_s = _time_ours(base, target, pool)
         out[f"encode_{label}_mib_s"] = mb / encode_s
         out[f"apply_{label}_mib_s"] = mb / apply_s
     out["encode_scaling"] = out["encode_nt_mib_s"] / out["encode_1t_mib_s"]
