@@ -228,3 +228,27 @@ def test_a_snapshot_keeps_ties_reuses_its_buffers_and_ignores_later_updates():
     copy_weights(snapshot, model.state_dict())  # the next capture reuses the same memory
     assert {n: t.data_ptr() for n, t in snapshot.items()} == addresses
     assert all(torch.equal(snapshot[n], t) for n, t in model.state_dict().items())
+
+
+def test_a_snapshot_is_bit_exact_for_every_dtype_and_layout():
+    """The CPU copy is a byte copy: NaN payloads, -0.0, fp8, bool, a transposed (non-contiguous) tensor,
+    a scalar and an empty tensor all come back with the same bits, shape and dtype."""
+    odd = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45]).view(torch.int32)
+    odd[0] |= 0x1234  # a NaN with a payload
+    state = {
+        "f32": odd.view(torch.float32),
+        "bf16": torch.randn(7, 3).to(torch.bfloat16),
+        "fp8": torch.randn(64).to(torch.float8_e4m3fn),
+        "mask": torch.rand(10) > 0.5,
+        "transposed": torch.randn(5, 4).t(),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 3),
+    }
+    snapshot: dict[str, torch.Tensor] = {"gone": torch.zeros(1)}
+    copy_weights(snapshot, state)
+    assert snapshot.keys() == state.keys()  # an entry the state no longer has is dropped
+    for name, tensor in state.items():
+        copy = snapshot[name]
+        assert (copy.dtype, copy.shape) == (tensor.dtype, tensor.shape), name
+        assert copy.data_ptr() != tensor.data_ptr() or tensor.numel() == 0, name
+        assert torch.equal(copy.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import numpy as np
 import torch
 
 from pipeline.errors import SprawlError, WorkerPartFailed
@@ -87,12 +88,22 @@ def copy_weights(buffer: dict[str, torch.Tensor], state_dict: Mapping[str, torch
                 )
                 if not reusable:
                     target = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-                target.copy_(tensor.detach())
+                _copy(target, tensor.detach())
                 written.add(target.untyped_storage().data_ptr())
                 copies[alias] = target
             buffer[name] = copies[alias]
     for stale in [n for n in buffer if n not in state_dict]:
         del buffer[stale]
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    """`target[...] = source`. On the CPU a plain memcpy of the bytes (numpy, one thread, the GIL
+    released): torch's copy goes through its intra-op thread pool, and on a busy machine waiting for
+    that pool per tensor cost 50x the copy itself (`sprawl bench trainer`: capture_s)."""
+    if source.device.type == "cpu" and source.is_contiguous() and target.is_contiguous() and source.numel():
+        np.copyto(target.view(-1).view(torch.uint8).numpy(), source.reshape(-1).view(torch.uint8).numpy())
+    else:
+        target.copy_(source)  # on an accelerator: queued on the device's stream, before the next update
 
 
 class BackgroundPublisher(Generic[Job]):
