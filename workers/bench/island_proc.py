@@ -51,18 +51,19 @@ async def main() -> None:
     reported: set[int] = set()
     print(json.dumps({"ready": True}), flush=True)
     while not stop.is_set():
-        for version, at in sorted(island.stats.committed_at.items()):
-            if version not in reported:
-                reported.add(version)
-                pause = island.stats.pause_by_version[version]
+        for commit in sorted(island.stats.recent, key=lambda c: c.version):
+            if commit.version not in reported:
+                reported.add(commit.version)
                 print(
                     json.dumps(
                         {
-                            "version": version,
-                            "committed_at": at,
-                            "pause_s": pause,
-                            "root_hash": island.stats.root_hashes[version],
-                            "route": island.stats.routes[version],
+                            "version": commit.version,
+                            "committed_at": commit.committed_at,
+                            "pause_s": commit.pause_s,
+                            "root_hash": commit.root_hash,
+                            "route": commit.route,
+                            "written_bytes": commit.written_bytes,
+                            "changed_tensor_bytes": commit.changed_tensor_bytes,
                         }
                     ),
                     flush=True,

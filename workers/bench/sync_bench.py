@@ -15,6 +15,18 @@ a cross-region link, where bytes on the wire dominate as they do in production.
 Versions are signed and islands pin the key, as in a real run; on the (secure) private stack each island
 connects with the sampler's own identity. `--wan` replaces the download cap with real links: islands in
 network namespaces of their own behind tbf-shaped links, joined by tokens (`workers/bench/wan_bench.py`).
+
+What a version costs an island's disk: each island reports, per version, the bytes its build made the
+kernel write (`written_bytes`: page-cache pages dirtied, downloads included) and the bytes of the tensors
+that differ from the version it started from (`changed_tensor_bytes`); `disk_bytes_vs_patch_tensor_bytes`
+is their ratio over every patch-path version (goal <= 2). Dirty pages are written back (`os.sync`) before
+each version is published, outside the timed window: a page still dirty from an earlier version would be
+counted once, not per version, and in a real run versions are far enough apart for writeback to finish.
+
+Scaling: the patch path's latency (1 island, loopback) for the bench model and one with >= 4x the
+parameters (more layers of the same sizes, the same Adam-sized steps, so the same density), measured back
+to back: `patch_time_ratio_large_vs_small` against `patch_bytes_ratio_large_vs_small`, and their quotient
+`patch_time_vs_bytes_scaling` (goal <= 1.5: time follows what changed, not the model's size).
 """
 
 from __future__ import annotations
@@ -85,12 +97,32 @@ class IslandProcess:
         self.reader.cancel()
 
 
-def moe_state(quick: bool) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The benchmark's Qwen3-MoE: its config and a detached copy of its weights (seed 0)."""
+SCALE = 4.0
+"""The large model of the scaling measurement has at least this many times the bench model's parameters."""
+
+
+def _parameters(config) -> int:
+    from transformers import Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in Qwen3MoeForCausalLM(config).parameters())
+
+
+def scaled_config(quick: bool):
+    """The bench model with more layers of the same sizes: the fewest giving >= SCALE x its parameters."""
+    config = moe_config(quick)
+    base = _parameters(config)
+    while _parameters(config) < SCALE * base:
+        config.num_hidden_layers += 1
+    return config
+
+
+def moe_state(quick: bool, config=None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The benchmark's Qwen3-MoE (or `config`): its config and a detached copy of its weights (seed 0)."""
     from transformers import Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(moe_config(quick))
+    model = Qwen3MoeForCausalLM(config or moe_config(quick))
     return model.config.to_dict(), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -147,11 +179,21 @@ async def wait_all(islands: list[IslandProcess], version: int, timeout_s: float 
 
 
 async def _one_run(
-    settings, event_log, path: str, count: int, versions: int, quick: bool, tmp: Path, link_mbps: float | None
+    settings,
+    event_log,
+    path: str,
+    count: int,
+    versions: int,
+    quick: bool,
+    tmp: Path,
+    link_mbps: float | None,
+    *,
+    config=None,
+    label: str = "",
 ) -> dict:
-    run_id = f"sync-{path}-{count}-{'wan' if link_mbps else 'lo'}"
+    run_id = f"sync-{path}-{count}-{'wan' if link_mbps else 'lo'}{label}"
     await apply(event_log.js, settings.streams, run_id)
-    model_config, state = moe_state(quick)
+    model_config, state = moe_state(quick, config)
     key = generate_signing_key()
     publisher = ChainPublisher(
         event_log,
@@ -164,12 +206,14 @@ async def _one_run(
     event0 = await publisher.publish(0, state)
     islands = await _start_islands(settings, run_id, count, tmp / run_id, link_mbps, public_key_text(key))
     latencies, pauses, verified = [], [], True
+    written = changed = 0
     try:
         await wait_all(islands, 0)
         gen = torch.Generator().manual_seed(1)
         verified &= all(i.commits[0]["root_hash"] == event0.views[0].root_hash for i in islands)
         for version in range(1, versions + 1):
             adam_sized_step(state, gen)
+            os.sync()  # the islands' earlier writes reach the disk first (see the module's docstring)
             event = await publisher.publish(version, state)
             appended = time.time()
             await wait_all(islands, version)
@@ -178,6 +222,8 @@ async def _one_run(
                 latencies.append(record["committed_at"] - appended)
                 pauses.append(record["pause_s"])
                 verified &= record["root_hash"] == event.views[0].root_hash
+                written += record.get("written_bytes", 0)
+                changed += record.get("changed_tensor_bytes", 0)
         bytes_per_version = event.views[0].bytes
     finally:
         for island in islands:
@@ -192,6 +238,35 @@ async def _one_run(
         "pause_p50_s": statistics.median(pauses),
         "bytes_per_version": bytes_per_version,
         "verified": verified,
+        "parameters": sum(t.numel() for t in state.values()),
+        "written_bytes": written,
+        "changed_tensor_bytes": changed,
+    }
+
+
+async def _scaling(settings, event_log, quick: bool, versions: int, tmp: Path) -> dict:
+    """The patch path (1 island, loopback) for the bench model and the >= 4x one, back to back."""
+    small = await _one_run(settings, event_log, "patch", 1, versions, quick, tmp, None, label="-small")
+    large = await _one_run(
+        settings, event_log, "patch", 1, versions, quick, tmp, None, config=scaled_config(quick), label="-large"
+    )
+    time_ratio = large["p50_s"] / small["p50_s"]
+    bytes_ratio = large["bytes_per_version"] / small["bytes_per_version"]
+    return {
+        "scaling": {
+            name: {
+                "parameters": row["parameters"],
+                "patch_bytes": row["bytes_per_version"],
+                "p50_s": round(row["p50_s"], 4),
+                "written_bytes_per_version": row["written_bytes"] // versions,
+                "verified": row["verified"],
+            }
+            for name, row in (("small", small), ("large", large))
+        },
+        "parameters_ratio_large_vs_small": round(large["parameters"] / small["parameters"], 3),
+        "patch_time_ratio_large_vs_small": round(time_ratio, 4),
+        "patch_bytes_ratio_large_vs_small": round(bytes_ratio, 4),
+        "patch_time_vs_bytes_scaling": round(time_ratio / bytes_ratio, 4),
     }
 
 
@@ -224,8 +299,10 @@ async def _measure(settings, quick: bool, link_mbps: float) -> tuple[list[dict],
                 for count in counts:
                     for path in ("patch", "keyframe"):
                         rows.append(await _one_run(settings, event_log, path, count, versions, quick, Path(tmp), link))
+            scaling = await _scaling(settings, event_log, quick, versions, Path(tmp))
     finally:
         await event_log.close()
+    patch_rows = [r for r in rows if r["path"] == "patch"]
     loopback = _summarize([r for r in rows if r["link"] == "loopback"])
     wan = _summarize([r for r in rows if r["link"] != "loopback"])
     summary = {
@@ -239,9 +316,21 @@ async def _measure(settings, quick: bool, link_mbps: float) -> tuple[list[dict],
         "verified": loopback["verified"] and wan["verified"],
         "patch_bytes": next(r["bytes_per_version"] for r in rows if r["path"] == "patch"),
         "keyframe_bytes": next(r["bytes_per_version"] for r in rows if r["path"] == "keyframe"),
+        "disk_bytes_vs_patch_tensor_bytes": round(
+            sum(r["written_bytes"] for r in patch_rows) / max(1, sum(r["changed_tensor_bytes"] for r in patch_rows)), 4
+        ),
+        "patch_written_bytes_per_version": sum(r["written_bytes"] for r in patch_rows)
+        // sum(r["islands"] * versions for r in patch_rows),
+        **scaling,
     }
+    summary["verified"] = summary["verified"] and all(s["verified"] for s in scaling["scaling"].values())
     table = [
-        {**r, "p50_s": f"{r['p50_s']:.3f}", "max_s": f"{r['max_s']:.3f}", "pause_p50_s": f"{r['pause_p50_s']:.4f}"}
+        {
+            **{k: v for k, v in r.items() if k not in ("parameters", "changed_tensor_bytes")},
+            "p50_s": f"{r['p50_s']:.3f}",
+            "max_s": f"{r['max_s']:.3f}",
+            "pause_p50_s": f"{r['pause_p50_s']:.4f}",
+        }
         for r in rows
     ]
     return table, summary
