@@ -40,6 +40,7 @@ import zstandard
 
 from pipeline.bits import bits_dtype, checksum
 from pipeline.codec import kernels, rans
+from pipeline.codec.hashing import OrderedHash
 from pipeline.codec.scratch import Scratch
 from pipeline.errors import SprawlError
 
@@ -435,14 +436,22 @@ def encode(
     jobs = []
     for g, (_, _, names) in enumerate(plan):
         if len(names) > 1:  # small tensors: one chunk of several segments
-            jobs.append((g, 0, names, None))
+            jobs.append((g, 0, 0, names, None))
             continue
         size = len(target[names[0]].bits)
-        for start in range(0, max(size, 1), chunk_elements):
-            jobs.append((g, start, names, min(start + chunk_elements, size)))
+        for i, start in enumerate(range(0, max(size, 1), chunk_elements)):
+            jobs.append((g, i, start, names, min(start + chunk_elements, size)))
+    known_base, known_target = base_checksums or {}, target_checksums or {}
+    # A large tensor's target hash is fed chunk by chunk, right after each chunk is diffed (its bytes
+    # still in cache) and beside the other chunks; small tensors are hashed in their chunk's job.
+    hashers = {
+        g: OrderedHash(target[names[0]].bits, [(s, e) for jg, _, s, _, e in jobs if jg == g])
+        for g, (_, _, names) in enumerate(plan)
+        if len(names) == 1 and not known_target.get(names[0])
+    }
 
-    def run(job: tuple) -> tuple[bytes, int, list[int] | None]:
-        g, start, names, end = job
+    def run(job: tuple) -> tuple[bytes, int, list[int] | None, dict[str, str]]:
+        g, i, start, names, end = job
         has_base = plan[g][1] and base is not None
         if end is None:
             tgt = [target[n].bits for n in names]
@@ -450,32 +459,32 @@ def encode(
         else:
             tgt = [target[names[0]].bits[start:end]]
             old = [base[names[0]].bits[start:end]] if has_base else None
-        return _encode_chunk(zstd, old, tgt)
-
-    known_base, known_target = base_checksums or {}, target_checksums or {}
-
-    def sums(name: str, has_base: bool) -> tuple[str, str]:
-        base_sum = ""
-        if has_base and base is not None:
-            base_sum = known_base.get(name) or checksum(base[name].bits)
-        return base_sum, known_target.get(name) or checksum(target[name].bits)
+        record, changed, counts = _encode_chunk(zstd, old, tgt)
+        if g in hashers:
+            hashers[g].done(i)
+        sums = {n: checksum(target[n].bits) for n in names if end is None and not known_target.get(n)}
+        return record, changed, counts, sums
 
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=_threads())
     try:
-        # Hashes and chunks in one queue: a large tensor's hash overlaps other chunks' coding.
-        names_in_order = [(n, hb) for _, hb, names in plan for n in names]
-        sum_futures = [pool.submit(sums, n, hb) for n, hb in names_in_order]
+        with_base = [n for _, has_base, names in plan if has_base and base is not None for n in names]
+        base_futures = {n: pool.submit(checksum, base[n].bits) for n in with_base if not known_base.get(n)}
         results = list(pool.map(run, jobs))
-        checksums = {n: f.result() for (n, _), f in zip(names_in_order, sum_futures, strict=True)}
+        base_sums = {n: known_base.get(n) or base_futures[n].result() for n in with_base}
     finally:
         if own_pool:
             pool.shutdown()
+    target_sums = {n: s for n, s in known_target.items() if s}
+    for _, _, _, sums in results:
+        target_sums.update(sums)
+    for g, hasher in hashers.items():
+        target_sums[plan[g][2][0]] = hasher.hexdigest()
     payload: list[bytes] = []
     offset = 0
     chunks: list[list[ChunkEntry]] = [[] for _ in plan]
     per_tensor: dict[int, list[int]] = {}
-    for (g, start, names, end), (record, changed, counts) in zip(jobs, results, strict=True):
+    for (g, _, start, names, end), (record, changed, counts, _) in zip(jobs, results, strict=True):
         length = sum(len(target[n].bits) for n in names) if end is None else end - start
         chunks[g].append(ChunkEntry(start=start, length=length, changed=changed, offset=offset, size=len(record)))
         if counts is not None and end is None:
@@ -493,7 +502,7 @@ def encode(
                 changed = sum(c.changed for c in chunks[g])
             else:
                 changed = per_tensor[g][i]
-            base_sum, target_sum = checksums[name]
+            base_sum, target_sum = base_sums.get(name, ""), target_sums[name]
             tensors.append(
                 TensorEntry(
                     name=name,
@@ -568,14 +577,22 @@ def _check_layout(group: GroupEntry) -> None:
         raise PatchFormatError(
             f"group of {[t.name for t in group.tensors][:3]}: tensor sizes do not add up to {group.elements} elements"
         )
+    if not group.tensors:
+        raise PatchFormatError("a group without tensors")
+    # A group of several tensors is one chunk; a single tensor's chunks tile it in order (its hash is
+    # fed chunk by chunk as they complete, see OrderedHash).
+    at = 0
     for chunk in group.chunks:
         if len(group.tensors) > 1:
             ok = chunk.start == 0 and chunk.length == group.elements and len(group.chunks) == 1
         else:
-            ok = chunk.start >= 0 and 0 <= chunk.length <= MAX_CHUNK_ELEMENTS
-            ok = ok and chunk.start + chunk.length <= group.elements
+            ok = chunk.start == at and 0 <= chunk.length <= MAX_CHUNK_ELEMENTS
         if not ok:
             raise PatchFormatError(f"chunk at {chunk.start} of {chunk.length} elements does not fit its group")
+        at += chunk.length
+    covered = len(group.chunks) == 1 if len(group.tensors) > 1 else at == group.elements
+    if not covered:
+        raise PatchFormatError(f"chunks of group {group.tensors[0].name}... do not cover its {group.elements} elements")
 
 
 _WIDTHS = {
@@ -646,13 +663,31 @@ def _payload_array(payload: memoryview | bytes | np.ndarray) -> np.ndarray:
     return payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, dtype=np.uint8)
 
 
-def _group_touched(group: GroupEntry, results: list[list[bool]]) -> list[bool]:
-    if len(group.tensors) == 1:
-        return [any(r[0] for r in results)]
-    touched = [False] * len(group.tensors)
-    for r in results:
-        touched = [a or b for a, b in zip(touched, r, strict=True)]
-    return touched
+class _GroupVerifier:
+    """Target hashes of one group's tensors, as its chunks complete: a single tensor's is fed chunk by
+    chunk in order (OrderedHash), small tensors sharing a chunk are hashed after it. Only tensors a
+    chunk wrote to, or whose base and target checksums differ, are hashed (see _needs_hash)."""
+
+    def __init__(self, group: GroupEntry, arrays: list[np.ndarray]):
+        self.group, self.arrays = group, arrays
+        self.hasher: OrderedHash | None = None
+        if len(group.tensors) == 1 and _needs_hash(group, group.tensors[0], any(c.changed for c in group.chunks)):
+            self.hasher = OrderedHash(arrays[0], [(c.start, c.start + c.length) for c in group.chunks])
+
+    def chunk_done(self, index: int, touched: list[bool]) -> None:
+        if self.hasher is not None:
+            self.hasher.done(index)
+        elif len(self.group.tensors) > 1:
+            for entry, bits, wrote in zip(self.group.tensors, self.arrays, touched, strict=True):
+                if _needs_hash(self.group, entry, wrote):
+                    _verify_tensor(entry, bits)
+
+    def finish(self) -> None:
+        if self.hasher is not None:
+            entry = self.group.tensors[0]
+            actual = self.hasher.hexdigest()
+            if actual != entry.target_checksum.hex():
+                raise ChecksumMismatch(entry.name, "target", entry.target_checksum.hex(), actual)
 
 
 def apply_group(
@@ -674,11 +709,13 @@ def apply_group(
     """
     arrays = _prepare_group(group, base, verify=verify, verify_base=verify_base, inplace=inplace)
     data = _payload_array(payload)
-    results = [_apply_group_chunk(group, chunk, data, arrays) for chunk in group.chunks]
-    if verify:
-        for entry, bits, touched in zip(group.tensors, arrays, _group_touched(group, results), strict=True):
-            if _needs_hash(group, entry, touched):
-                _verify_tensor(entry, bits)
+    verifier = _GroupVerifier(group, arrays) if verify else None
+    for i, chunk in enumerate(group.chunks):
+        touched = _apply_group_chunk(group, chunk, data, arrays)
+        if verifier is not None:
+            verifier.chunk_done(i, touched)
+    if verifier is not None:
+        verifier.finish()
     return {t.name: bits for t, bits in zip(group.tensors, arrays, strict=True)}
 
 
@@ -693,8 +730,8 @@ def apply(
     """Apply a whole patch; every changed tensor's target checksum (and, unless `verify_base` is
     False, every base checksum) is verified.
 
-    Work is spread over the pool chunk by chunk (chunks touch disjoint elements), then tensor by
-    tensor for the checksums. With `inplace`, base arrays are overwritten (the caller owns them).
+    Work is spread over the pool chunk by chunk (chunks touch disjoint elements); each tensor's hash
+    is fed as its chunks complete. With `inplace`, base arrays are overwritten (the caller owns them).
     """
     header, payload = read_header(patch)
     data = _payload_array(payload)
@@ -708,20 +745,16 @@ def apply(
                 header.groups,
             )
         )
-        jobs = [(g, c) for g in range(len(header.groups)) for c in header.groups[g].chunks]
-        results = list(
-            pool.map(lambda job: _apply_group_chunk(header.groups[job[0]], job[1], data, arrays[job[0]]), jobs)
-        )
-        by_group: list[list[list[bool]]] = [[] for _ in header.groups]
-        for (g, _), touched in zip(jobs, results, strict=True):
-            by_group[g].append(touched)
-        pairs = [
-            (t, a)
-            for g, group in enumerate(header.groups)
-            for t, a, touched in zip(group.tensors, arrays[g], _group_touched(group, by_group[g]), strict=True)
-            if _needs_hash(group, t, touched)
-        ]
-        list(pool.map(lambda pair: _verify_tensor(*pair), pairs))
+        verifiers = [_GroupVerifier(g, a) for g, a in zip(header.groups, arrays, strict=True)]
+
+        def run(job: tuple[int, int, ChunkEntry]) -> None:
+            g, i, chunk = job
+            verifiers[g].chunk_done(i, _apply_group_chunk(header.groups[g], chunk, data, arrays[g]))
+
+        jobs = [(g, i, c) for g, group in enumerate(header.groups) for i, c in enumerate(group.chunks)]
+        list(pool.map(run, jobs))
+        for verifier in verifiers:
+            verifier.finish()
     finally:
         if own_pool:
             pool.shutdown()

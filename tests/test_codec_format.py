@@ -184,17 +184,27 @@ def test_apply_on_a_memmap_writes_only_pages_that_change(tmp_path, dtype):
     assert np.fromfile(path, dtype=dtype_np).size == n
 
 
-def test_unchanged_tensors_are_not_hashed_again(monkeypatch):
+@pytest.mark.parametrize("chunk_elements", [1 << 22, 512])
+def test_unchanged_tensors_are_not_hashed_again(monkeypatch, chunk_elements):
+    """Small tensors sharing a chunk are hashed one by one, a large tensor chunk by chunk
+    (OrderedHash): either way only the tensor that changed is hashed."""
     rng = np.random.default_rng(3)
     same, moved = _bf16(rng, 1000), _bf16(rng, 3000)
     target_moved = moved.copy()
     target_moved[::100] += 1
     base = {"same": TensorBits("BF16", (1000,), same), "moved": TensorBits("BF16", (3000,), moved)}
     target = {"same": TensorBits("BF16", (1000,), same.copy()), "moved": TensorBits("BF16", (3000,), target_moved)}
-    patch = patch_codec.encode(base, target)
+    patch = patch_codec.encode(base, target, chunk_elements=chunk_elements)
     hashed: list[int] = []
-    real = patch_codec.checksum
-    monkeypatch.setattr(patch_codec, "checksum", lambda bits: hashed.append(len(bits)) or real(bits))
+    real_checksum, real_ordered = patch_codec.checksum, patch_codec.OrderedHash
+
+    class CountedHash(real_ordered):
+        def __init__(self, bits, bounds):
+            hashed.append(len(bits))
+            super().__init__(bits, bounds)
+
+    monkeypatch.setattr(patch_codec, "checksum", lambda bits: hashed.append(len(bits)) or real_checksum(bits))
+    monkeypatch.setattr(patch_codec, "OrderedHash", CountedHash)
     out = patch_codec.apply(patch, base, verify_base=False)
     assert hashed == [3000]  # only the tensor that changed
     assert np.array_equal(out["moved"].bits, target_moved) and np.array_equal(out["same"].bits, same)
@@ -204,6 +214,7 @@ def test_unchanged_tensors_are_not_hashed_again(monkeypatch):
     for group in header.groups:
         patch_codec.apply_group(group, payload, bits, inplace=True, verify_base=False)
     assert hashed == [3000]
+    assert np.array_equal(bits["moved"], target_moved)
     hashed.clear()
     patch_codec.apply(patch, base, verify_base=True)
     assert sorted(hashed) == [1000, 3000, 3000]  # both bases, then the changed target

@@ -146,3 +146,15 @@ def test_hostile_rans_streams_are_refused_not_read_past():
     for seed in range(200):
         body = np.random.default_rng(seed).integers(0, 256, size=seed % 50, dtype=np.uint8).tobytes()
         _decode(head + body, len(symbols))
+
+
+def test_every_kernel_releases_the_gil_and_is_cached():
+    """Chunks run in parallel on a thread pool only if no kernel holds the GIL; cache=True keeps a
+    fresh process from compiling them again."""
+    from numba.core.registry import CPUDispatcher
+
+    dispatchers = [fn for module in (kernels, rans) for fn in vars(module).values() if isinstance(fn, CPUDispatcher)]
+    assert len(dispatchers) >= 15
+    for fn in dispatchers:
+        assert fn.targetoptions.get("nogil") is True, fn.__name__
+        assert fn._cache.__class__.__name__ == "FunctionCache", fn.__name__
