@@ -1,9 +1,13 @@
 """`sprawl bench trainer`: where an update's time goes, against the bare forward/backward/step.
 
 For a demo-sized Qwen3-MoE and a batch shaped like the demo run's, the same update is timed bare
-(plain policy gradient), with each correction alone, and with the default set together; then the
-version publish that follows an update (bf16 + fp8 views, diff against the previous version,
-upload, fenced append) on a private stack. Figures are medians of repeated runs in one process.
+(plain policy gradient), with each correction alone, and with the default set together. Then the
+trainer's step as it runs, update and version publish (bf16 + fp8 views, diff against the previous
+version, upload, fenced append) on a private stack, twice in one chain: publishing synchronously
+after each update (the baseline: `publish_fraction_sync`), and through the trainer's background
+publisher (`workers/trainer/publishing.py`), where the update loop is blocked only to capture the
+weights or when `publish_depth` versions are in flight (`publish_fraction`: that time over the step's).
+Figures are medians of repeated runs in one process; fractions are totals over the loop.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,8 +27,11 @@ from pipeline.config import ChainSettings
 from pipeline.eventlog import EventLog
 from pipeline.logs import configure_logging
 from pipeline.off_policy import LossSection, apply_spec
+from pipeline.views import get_view
 from schemas import IslandIdentity, Reward, SamplingParams, Trajectory, VersionSpan
 from workers.bench.private_stack import private_stack
+from workers.lifecycle import end_guards, run_guarded
+from workers.trainer.publishing import BackgroundPublisher, Pending, copy_weights
 from workers.trainer.settings import TrainerSection
 from workers.trainer.update import run_update
 
@@ -124,7 +132,35 @@ def _time_updates(model, batch, configs: dict[str, TrainerSection], repeats: int
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-async def _time_publish(model, repeats: int) -> float:
+VIEWS = ["bf16", "fp8_e4m3"]
+
+
+@dataclass
+class LoopTimes:
+    """Per step of one training loop: the update, and the time the loop was blocked on publishing."""
+
+    update: list[float] = field(default_factory=list)
+    blocked: list[float] = field(default_factory=list)
+
+    def add(self, update: float, blocked: float) -> None:
+        self.update.append(update)
+        self.blocked.append(blocked)
+
+    @property
+    def steps(self) -> list[float]:
+        return [u + b for u, b in zip(self.update, self.blocked, strict=True)]
+
+    @property
+    def fraction(self) -> float:
+        """Blocked on publishing over the step, totals over the loop (a keyframe's spike counts in full)."""
+        return sum(self.blocked) / sum(self.steps)
+
+
+async def _time_training_loops(model, batch, cfg: TrainerSection, repeats: int) -> tuple[LoopTimes, LoopTimes]:
+    """The trainer's step, update then publish, in one chain: synchronously, then through the trainer's
+    background publisher with its default depth. Updates run in a thread, as the trainer runs them."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
+    sync, background = LoopTimes(), LoopTimes()
     with private_stack("benchtrainer") as settings:
         event_log = await EventLog.connect(settings, worker="bench-trainer")
         try:
@@ -134,22 +170,60 @@ async def _time_publish(model, repeats: int) -> float:
                 open_blob_store(settings.blobs),
                 run_id="benchtrainer",
                 model_config=model.config.to_dict(),
-                settings=ChainSettings(views=["bf16", "fp8_e4m3"], keyframe_every=1000),
+                settings=ChainSettings(views=VIEWS, keyframe_every=1000),
             )
-            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            await publisher.publish(0, state)
-            times = []
-            for version in range(1, repeats + 1):
-                with torch.no_grad():
-                    for tensor in state.values():
-                        tensor.add_(torch.randn(tensor.shape).sign() * 1e-6)
+            await publisher.publish(0, model.state_dict())
+            version = 0
+            for _ in range(repeats):
                 t0 = time.perf_counter()
-                await publisher.publish(version, state)
-                times.append(time.perf_counter() - t0)
+                await asyncio.to_thread(run_update, model, optimizer, batch, cfg, version)
+                t1 = time.perf_counter()
+                version += 1
+                await publisher.publish(version, model.state_dict())
+                sync.add(t1 - t0, time.perf_counter() - t1)
+
+            async def publish(pending: Pending[None]) -> None:
+                await publisher.publish(pending.version, pending.weights)
+
+            queue: BackgroundPublisher[None] = BackgroundPublisher(publish, cfg.publish_depth, name="bench publisher")
+
+            async def loop(version: int) -> None:
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    await asyncio.to_thread(run_update, model, optimizer, batch, cfg, version)
+                    update = time.perf_counter() - t0
+                    version += 1
+                    background.add(update, await queue.submit(version, model.state_dict(), None))
+                await queue.drain()  # after the last step: its publish is not part of any step
+
+            guards = [queue.start()]
+            try:
+                await run_guarded(loop(version), guards)
+            finally:
+                await end_guards(guards)
             publisher.close()
-            return statistics.median(times)
+            return sync, background
         finally:
             await event_log.close()
+
+
+def _time_capture(model, repeats: int) -> tuple[float, float]:
+    """Median seconds to capture the weights (a copy into a reused snapshot), and to compute the views
+    instead (the other way to let the next update start): why the trainer copies."""
+    state = model.state_dict()
+    snapshot: dict[str, torch.Tensor] = {}
+    copy_weights(snapshot, state)
+    tie = bool(model.config.to_dict().get("tie_word_embeddings", False))
+    copies, views = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        copy_weights(snapshot, state)
+        t1 = time.perf_counter()
+        for name in VIEWS:
+            get_view(name).compute(state, tie_word_embeddings=tie)
+        views.append(time.perf_counter() - t1)
+        copies.append(t1 - t0)
+    return statistics.median(copies), statistics.median(views)
 
 
 def bench_trainer(quick: bool) -> tuple[list[dict], dict]:
@@ -171,19 +245,45 @@ def bench_trainer(quick: bool) -> tuple[list[dict], dict]:
         for name in [*CORRECTIONS, "routing_replay"]
     ]
     rows.append({"what": "default corrections (MIS + SC + mask replay)", "seconds": full, "vs_bare": full / bare})
-    publish = asyncio.run(_time_publish(model, repeats))
+    sync, background = asyncio.run(_time_training_loops(model, batch, configs["default"], repeats))
+    capture, views = _time_capture(model, repeats)
+    publish = statistics.median(sync.blocked)
+    step_sync = statistics.median(sync.steps)
+    step = statistics.median(background.steps)
     rows.append(
         {"what": "publish (bf16 + fp8 views, diff, upload, append)", "seconds": publish, "vs_bare": publish / bare}
     )
-    step = full + publish
+    rows += [
+        {"what": "capture the weights (copy into a snapshot)", "seconds": capture, "vs_bare": capture / bare},
+        {"what": "compute both views instead", "seconds": views, "vs_bare": views / bare},
+        {"what": "step, publishing synchronously", "seconds": step_sync, "vs_bare": step_sync / bare},
+        {"what": "step, publishing in the background", "seconds": step, "vs_bare": step / bare},
+        {
+            "what": "  of which blocked on publishing",
+            "seconds": statistics.median(background.blocked),
+            "vs_bare": statistics.median(background.blocked) / bare,
+        },
+    ]
     summary = {
         "quick": quick,
         "parameters": sum(p.numel() for p in model.parameters()),
         "groups": groups,
         "samples_per_group": n,
         "step_s": round(step, 4),
+        "step_s_sync": round(step_sync, 4),
         "bare_s": round(bare, 4),
-        "publish_fraction": round(publish / step, 4),
+        "publish_fraction": round(background.fraction, 4),
+        "publish_fraction_sync": round(sync.fraction, 4),
+        "publish_s": round(publish, 4),
+        "publish_wait_s": round(statistics.median(background.blocked), 4),
+        "publish_wait_max_s": round(max(background.blocked), 4),
+        "publish_depth": configs["default"].publish_depth,
+        # The update itself in each loop: beside a background publish it shares the CPU (and the GIL)
+        # with it, so on a machine without spare cores the step is not shorter even when nothing blocks.
+        "update_s": round(statistics.median(background.update), 4),
+        "update_s_sync": round(statistics.median(sync.update), 4),
+        "capture_s": round(capture, 4),
+        "views_s": round(views, 4),
         "corrections_fraction": round((full - bare) / step, 4),
         "per_correction_overhead": {
             r["what"].removeprefix("+ "): round(r["vs_bare"] - 1, 4) for r in rows if r["what"].startswith("+ ")
