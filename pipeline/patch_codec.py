@@ -288,7 +288,7 @@ def _encode_chunk(
     return _RECORD_HEAD.pack(SPARSE, sparse_kind) + b"".join(streams), count, counts
 
 
-_SAMPLE = 1 << 16
+_SAMPLE = 1 << 13
 _TRANSFORMS = (kernels.XOR, kernels.ULP, kernels.RAW)
 """The value transforms the encoder may pick from (tests narrow it to exercise each one)."""
 
@@ -309,12 +309,13 @@ def _diff(base: list[np.ndarray], target: list[np.ndarray]) -> tuple[np.ndarray,
         )
 
     positions, old, new = buffers(cap, 0)
+    hits = _SCRATCH.array("hits", kernels.BATCH_WORDS, np.uint32)
     count, offset, counts = 0, 0, []
     for b, t in zip(base, target, strict=True):
         (bw, per), (tw, _) = _words(b), _words(t)
         word, before = 0, count
         while word >= 0:
-            count, word = kernels.diff(b, t, bw, tw, per, word, offset, positions, old, new, count)
+            count, word = kernels.diff(b, t, bw, tw, per, word, offset, positions, old, new, count, hits)
             if word >= 0:
                 cap *= 2
                 positions, old, new = buffers(cap, count)

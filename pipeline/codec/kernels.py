@@ -72,6 +72,10 @@ def _inverse(kind: int, old, v, full, sign_shift, magnitude):
 # ---------------------------------------------------------------- encode
 
 
+BATCH_WORDS = 1 << 15
+"""Words compared per batch: their hit list (u32) stays in L2."""
+
+
 @njit(nogil=True, cache=True)
 def diff(
     base: np.ndarray,
@@ -85,40 +89,42 @@ def diff(
     old: np.ndarray,
     new: np.ndarray,
     count: int,
+    hits: np.ndarray,
 ) -> tuple:
     """Append the changed elements of one segment (positions + offset, old and new bits) after the
     `count` already found, starting at u64 word `word`. Returns (count, word to resume at), the
     latter -1 once the segment is done; the caller grows full outputs and resumes.
 
     `base_words` / `target_words` are the same memory as u64 words (`per` elements each) covering a
-    prefix of the segment: 64 bytes are compared branch-free at a time, and in a block that differs
-    each differing word's elements are all appended, the count advancing by whether each changed
-    (measured: faster than a branch per element at 1% and at 10% density)."""
+    prefix of the segment. Two passes per batch of words, both without data-dependent branches:
+    the indices of words that differ are compacted into `hits` (scratch of BATCH_WORDS), then each
+    such word's elements are all appended, the count advancing by whether each changed. Measured
+    1.5x (1% density) to 2x (10%) faster than branching per block or per element."""
     cap = positions.shape[0]
     nw = base_words.shape[0]
-    block = 8 * per
     q = word
-    while q + 8 <= nw:
-        acc = base_words[q] ^ target_words[q]
-        for r in range(q + 1, q + 8):
-            acc |= base_words[r] ^ target_words[r]
-        if acc != 0:
-            if cap - count < block:
-                return count, q
-            for r in range(q, q + 8):
-                if base_words[r] != target_words[r]:
-                    for j in range(r * per, r * per + per):
-                        b = base[j]
-                        t = target[j]
-                        positions[count] = offset + j
-                        old[count] = b
-                        new[count] = t
-                        count += np.int64(b != t)
-        q += 8
+    while q < nw:
+        batch = min(nw - q, BATCH_WORDS, (cap - count) // per)
+        if batch <= 0:
+            return count, q
+        h = 0
+        for r in range(q, q + batch):
+            hits[h] = r
+            h += np.int64(base_words[r] != target_words[r])
+        for k in range(h):
+            r = np.int64(hits[k])
+            for j in range(r * per, r * per + per):
+                b = base[j]
+                t = target[j]
+                positions[count] = offset + j
+                old[count] = b
+                new[count] = t
+                count += np.int64(b != t)
+        q += batch
     n = target.shape[0]
-    if cap - count < n - q * per:
-        return count, q
-    for j in range(q * per, n):
+    if cap - count < n - nw * per:
+        return count, nw
+    for j in range(nw * per, n):
         b = base[j]
         t = target[j]
         positions[count] = offset + j
