@@ -158,3 +158,36 @@ def test_every_kernel_releases_the_gil_and_is_cached():
     for fn in dispatchers:
         assert fn.targetoptions.get("nogil") is True, fn.__name__
         assert fn._cache.__class__.__name__ == "FunctionCache", fn.__name__
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [0, 5, 1001, 70_003])
+@pytest.mark.parametrize("capacity", [8, 100, 10**6])
+def test_diff_resumes_when_its_outputs_are_full(width, n, capacity):
+    """Outputs smaller than the changes: the kernel stops where they are full and resumes there."""
+    rng = np.random.default_rng(n + width)
+    dtype = WIDTHS[width]
+    base = rng.integers(0, 255, size=n).astype(dtype)
+    target = base.copy()
+    changed = np.sort(rng.choice(n, n // 3, replace=False)) if n else np.array([], dtype=np.int64)
+    target[changed] ^= dtype(1 << (8 * width - 1))  # top bit: a change in every byte width
+    per = 8 // width
+    usable = n - n % per
+    words = base[:usable].view(np.uint64), target[:usable].view(np.uint64)
+    hits = np.empty(kernels.BATCH_WORDS, dtype=np.uint32)
+    found_positions, found_old, found_new = [], [], []
+    word, resumed = 0, 0
+    while word >= 0:
+        # Every element a word holds may be appended: outputs have room for at least one word.
+        positions = np.empty(max(capacity, per), dtype=np.uint32)
+        old, new = np.empty(len(positions), dtype=dtype), np.empty(len(positions), dtype=dtype)
+        count, word = kernels.diff(base, target, *words, per, word, 7, positions, old, new, 0, hits)
+        found_positions.append(positions[:count].copy())
+        found_old.append(old[:count].copy())
+        found_new.append(new[:count].copy())
+        resumed += word >= 0
+    assert np.array_equal(np.concatenate(found_positions), changed + 7)
+    assert np.array_equal(np.concatenate(found_old), base[changed])
+    assert np.array_equal(np.concatenate(found_new), target[changed])
+    if capacity == 8 and len(changed) > 8:
+        assert resumed > 0
