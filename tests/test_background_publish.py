@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from pipeline.blobstore import S3BlobStore
 from pipeline.errors import WorkerPartFailed
@@ -252,3 +253,9 @@ def test_a_snapshot_is_bit_exact_for_every_dtype_and_layout():
         assert (copy.dtype, copy.shape) == (tensor.dtype, tensor.shape), name
         assert copy.data_ptr() != tensor.data_ptr() or tensor.numel() == 0, name
         assert torch.equal(copy.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("depth", [0, -1, 17])
+def test_a_publish_depth_out_of_bounds_is_refused_naming_it(depth):
+    with pytest.raises(ValidationError, match="publish_depth"):
+        TrainerSection(publish_depth=depth)
