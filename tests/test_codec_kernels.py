@@ -191,3 +191,9 @@ def test_diff_resumes_when_its_outputs_are_full(width, n, capacity):
     assert np.array_equal(np.concatenate(found_new), target[changed])
     if capacity == 8 and len(changed) > 8:
         assert resumed > 0
+
+
+def test_warm_compiles_every_width_without_error():
+    from pipeline.codec.warm import warm
+
+    warm()
