@@ -68,19 +68,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
-
 from pipeline import patch_codec
-from pipeline.bits import bits_dtype, checksum, dtype_name, from_bits, root_hash, to_bits
+from pipeline.bits import bits_dtype, checksum, dtype_name, root_hash, to_bits
 from pipeline.blobstore import BlobStore
 from pipeline.config import MaterializeSettings
 from pipeline.errors import BlobIntegrityError, BlobNotFound, SprawlError
 from pipeline.eventlog import EventLog
-from pipeline.keyframe import load_shard, read_weight_map
+from pipeline.keyframe import read_weight_map
 from pipeline.logs import get_logger
 from pipeline.patch_store import PatchStore
 from pipeline.route_failures import Backoff, PartKey, RouteFailures
-from pipeline.safetensors_layout import ShardLayout, ShardLayoutError, hash_shard, mapped_tensors, read_layout
+from pipeline.safetensors_layout import ShardLayout, ShardLayoutError, hash_shard, read_layout
+from pipeline.shard_patch import PatchStep, StepFailed, WrongBits, patch_shard
 from pipeline.subjects import token
 from pipeline.version_log import wait_for_version
 from pipeline.version_signing import VersionSignatureInvalid, VersionTrust
@@ -704,113 +703,35 @@ class Materializer:
             self._patch_shard(build, shard, [(edge, by_shard[edge][shard]) for edge in edges])
 
     def _patch_shard(self, build: _Build, shard: str, patches: list[tuple[_Edge, BlobPointer]]) -> None:
-        """Apply the route's patches to one shard: in place when none changes its layout, else rewritten."""
-        parsed = []
+        """Apply the route's patches to one shard (`pipeline/shard_patch.py`), blaming what failed."""
+        steps = []
         for edge, blob in patches:
+            label = f"{edge.kind} v{edge.base}->v{edge.target}"
             try:
                 header, payload = patch_codec.read_header(self.patches.read(blob))
             except patch_codec.PatchFormatError as exc:
                 raise _EdgeFailed(edge, None, f"patch {blob.uri} is unreadable: {exc.message}", blob.uri) from exc
-            parsed.append((edge, blob, header, payload))
-        path = build.staging / shard
+            wanted = {t.name: t.xxh3 for t in self._view_of(self._events[edge.target]).tensors}
+            steps.append(PatchStep(label, header, payload, wanted))
         try:
-            layout = read_layout(path)
+            patched = patch_shard(build.staging / shard, steps, build.digests, self._pool())
         except ShardLayoutError as exc:
             raise _EdgeFailed(None, build.start, exc.message) from exc
-        if all(_fits(layout, header) for _, _, header, _ in parsed):
-            with mapped_tensors(layout, writable=True) as arrays:
-                for edge, blob, header, payload in parsed:
-                    self._apply_patch(build, edge, blob, header, payload, arrays, in_place=True)
-                    build.written_estimate += sum(
-                        layout.tensors[t.name].nbytes for g in header.groups for t in g.tensors if t.changed
-                    )
-            return
-        log.info("a patch changes the shard's layout: rewriting it whole", shard=shard)
-        tensors = load_shard(path)
-        arrays = {name: to_bits(tensor) for name, tensor in tensors.items()}
-        kinds = {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()}
-        for edge, blob, header, payload in parsed:
-            self._apply_patch(build, edge, blob, header, payload, arrays, in_place=False)
-            for group in header.groups:
-                kinds.update({t.name: (group.dtype, tuple(t.shape)) for t in group.tensors})
-        from safetensors.torch import save_file
-
-        rewritten = {name: from_bits(arrays[name], *kinds[name]) for name in arrays}
-        tmp = path.with_name(f".{shard}.rewrite")
-        save_file(rewritten, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path)
-        build.written_estimate += path.stat().st_size
-
-    def _apply_patch(
-        self,
-        build: _Build,
-        edge: _Edge,
-        blob: BlobPointer,
-        header: patch_codec.PatchHeader,
-        payload: memoryview,
-        arrays: dict[str, np.ndarray],
-        *,
-        in_place: bool,
-    ) -> None:
-        """One patch into `arrays` (a shard's tensors as bits). Its header is held against what is known
-        before anything is written: each base checksum against the digest of the bits there now, each
-        target checksum against the target version's event. The codec then checks every target it
-        produces; nothing else is hashed."""
-        wanted = {t.name: t.xxh3 for t in self._view_of(self._events[edge.target]).tensors}
-        what = f"{edge.kind} v{edge.base}->v{edge.target}"
-        for group in header.groups:
-            for t in group.tensors:
-                if t.name not in arrays:
-                    raise _EdgeFailed(edge, None, f"patch {what} names unknown tensors {[t.name]}", blob.uri)
-                if group.has_base and t.base_checksum.hex() != build.digests[t.name]:
-                    raise _EdgeFailed(
-                        edge,
-                        None,
-                        f"refused: base of {what} does not match (tensor {t.name}: the patch expects "
-                        f"{t.base_checksum.hex()}, v{edge.base} is {build.digests[t.name]})",
-                        blob.uri,
-                    )
-                if t.target_checksum.hex() != wanted.get(t.name):
-                    raise _EdgeFailed(
-                        edge,
-                        None,
-                        f"refused: patch {what} makes tensor {t.name} {t.target_checksum.hex()}, "
-                        f"the version says {wanted.get(t.name)}",
-                        blob.uri,
-                    )
-                if group.has_base and t.changed == 0 and t.base_checksum != t.target_checksum:
-                    raise _EdgeFailed(
-                        edge, None, f"refused: patch {what} changes no element of {t.name} but its checksum", blob.uri
-                    )
-
-        def apply(group: patch_codec.GroupEntry) -> dict[str, np.ndarray]:
-            base = {t.name: arrays[t.name] for t in group.tensors} if group.has_base else None
-            return patch_codec.apply_group(group, payload, base, verify=True, verify_base=False, inplace=True)
-
-        try:
-            results = list(self._pool().map(apply, header.groups))
-        except patch_codec.ChecksumMismatch as exc:
-            if exc.tensor in build.suspect:
+        except WrongBits as exc:
+            edge, blob = patches[exc.step]
+            if exc.from_start and exc.tensor in build.suspect:
                 # These bits came from a cached version this process trusted without hashing it now: suspect
-                # the disk before a signed patch. The cache entry is dropped; the plan is made again.
+                # the disk before a signed patch. The cache entry's trust is dropped; the plan is made again.
                 self._trusted.pop(build.start[1], None)
                 raise _EdgeFailed(
-                    None, build.start, f"cached v{build.start[1]} gave wrong bits for {exc.tensor} under {what}"
+                    None, build.start, f"cached v{build.start[1]} gave wrong bits for {exc.tensor}: {exc.message}"
                 ) from exc
-            raise _EdgeFailed(edge, None, f"patch {what} produced wrong bits ({exc.message})", blob.uri) from exc
-        except patch_codec.PatchFormatError as exc:
-            raise _EdgeFailed(edge, None, f"patch {blob.uri} is unreadable: {exc.message}", blob.uri) from exc
-        for group, out in zip(header.groups, results, strict=True):
-            for t in group.tensors:
-                produced = out[t.name]
-                if not np.may_share_memory(produced, arrays[t.name]):
-                    if in_place:  # a whole tensor the codec built apart (same layout): into the file
-                        arrays[t.name][...] = produced.reshape(-1)
-                    else:
-                        arrays[t.name] = produced.reshape(-1)
-                build.digests[t.name] = t.target_checksum.hex()
-                if t.changed:
-                    build.suspect.discard(t.name)
+            raise _EdgeFailed(edge, None, exc.message, blob.uri) from exc
+        except StepFailed as exc:
+            edge, blob = patches[exc.step]
+            raise _EdgeFailed(edge, None, exc.message, blob.uri) from exc
+        build.suspect -= patched.changed
+        build.written_estimate += patched.touched_bytes
 
     def _finish(self, build: _Build, version: int, edges: list[_Edge]) -> None:
         """Check the staged bits are the version's (its root hash, from the digests the route verified),
@@ -947,18 +868,6 @@ class _Build:
     fetched: int = 0
     written_estimate: int = 0
     """Bytes written, counted by us: reported only where the kernel does not count them."""
-
-
-def _fits(layout: ShardLayout, header: patch_codec.PatchHeader) -> bool:
-    """Can the patch be written into the file in place: every tensor it names keeps dtype and shape?"""
-    for group in header.groups:
-        if not group.has_base:
-            return False
-        for t in group.tensors:
-            span = layout.tensors.get(t.name)
-            if span is not None and (span.dtype != group.dtype or span.shape != tuple(t.shape)):
-                return False
-    return True
 
 
 def _layout_problem(layout: ShardLayout, weight_map: dict[str, str], expected: dict) -> str | None:

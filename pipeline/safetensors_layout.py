@@ -7,9 +7,10 @@ keeps every tensor's dtype and shape can be applied into the file in place: map 
 tensor's byte range as unsigned bits (`pipeline.bits`), and let the codec write the changed
 positions. Loading the shard and serializing it again (what a version cost before) is not needed.
 
-The header is checked before anything is mapped: every range inside the file, sized by its dtype and
-shape, aligned to its element size (numpy views and the codec's kernels want aligned elements; the
-safetensors writers align them, and a file that is not aligned is simply not patched in place).
+The header is checked before anything is mapped: every range inside the file and sized by its dtype
+and shape. Tensors are normally aligned to their element size (the safetensors writers order them by
+alignment and pad the header); one that is not can still be read and hashed, but is not handed to the
+codec's kernels to patch in place (`TensorSpan.aligned`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class TensorSpan:
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
+
+    @property
+    def aligned(self) -> bool:
+        return self.begin % bits_dtype(self.dtype).itemsize == 0
 
 
 @dataclass(frozen=True)
@@ -105,8 +110,6 @@ def _span(path: Path, name: str, info: object, data_start: int, size: int) -> Te
         raise ShardLayoutError(path, f"tensor {name!r}: offsets {begin}..{end} do not hold {shape} x {dtype}")
     if data_start + end > size:
         raise ShardLayoutError(path, f"tensor {name!r} ends at {data_start + end}, past the file's {size} bytes")
-    if (data_start + begin) % width:
-        raise ShardLayoutError(path, f"tensor {name!r} is not aligned to its {width}-byte elements")
     return TensorSpan(name, dtype, shape, data_start + begin, data_start + end)
 
 

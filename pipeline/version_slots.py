@@ -61,6 +61,11 @@ class VersionPin:
             os.close(self._fd)  # closing the descriptor drops the lock
             self._fd = None
 
+    def __del__(self) -> None:
+        # A pin nobody holds any more (say, a materialize whose caller was cancelled) must not keep the
+        # directory from being recycled for the rest of the process's life.
+        self.release()
+
     def __repr__(self) -> str:
         return f"VersionPin({self.directory.name}, held={self.held})"
 
