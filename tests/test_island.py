@@ -60,4 +60,8 @@ async def test_an_island_keeps_its_recent_commits_for_the_benchmark_and_the_side
     assert stats.pause_total_s >= sum(stats.pauses_s)
     metrics = (await Sidecar(island).metrics(None)).text
     assert "sprawl_island_version 3" in metrics and "sprawl_commit_pause_seconds_count" in metrics
+    # what materializing cost the disk, against the bytes of the tensors that changed
+    assert stats.changed_tensor_bytes_total > 0 and stats.written_bytes_total > 0
+    assert f"sprawl_materialize_written_bytes_total {stats.written_bytes_total}" in metrics
+    assert all(c.changed_tensor_bytes > 0 for c in stats.recent)
     await island.stop()

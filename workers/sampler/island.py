@@ -139,11 +139,17 @@ class IslandStats:
     def __init__(self, keep: int = 256):
         self.commits = 0
         self.pause_total_s = 0.0
+        self.written_bytes_total = 0
+        """Bytes materializing the committed versions wrote to local disk."""
+        self.changed_tensor_bytes_total = 0
+        """Bytes of the tensors those versions changed: what the writes are held against."""
         self.recent: deque[CommitRecord] = deque(maxlen=keep)
 
     def record(self, commit: CommitRecord) -> None:
         self.commits += 1
         self.pause_total_s += commit.pause_s
+        self.written_bytes_total += commit.written_bytes
+        self.changed_tensor_bytes_total += commit.changed_tensor_bytes
         self.recent.append(commit)
 
     @property

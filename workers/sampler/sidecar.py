@@ -174,6 +174,12 @@ class Sidecar:
             "# HELP sprawl_cached_versions Versions materialized on disk.",
             "# TYPE sprawl_cached_versions gauge",
             f"sprawl_cached_versions {len(self.island.materializer.cached_versions())}",
+            "# HELP sprawl_materialize_written_bytes_total Bytes materializing committed versions wrote to disk.",
+            "# TYPE sprawl_materialize_written_bytes_total counter",
+            f"sprawl_materialize_written_bytes_total {stats.written_bytes_total}",
+            "# HELP sprawl_materialize_changed_tensor_bytes_total Bytes of the tensors those versions changed.",
+            "# TYPE sprawl_materialize_changed_tensor_bytes_total counter",
+            f"sprawl_materialize_changed_tensor_bytes_total {stats.changed_tensor_bytes_total}",
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 
