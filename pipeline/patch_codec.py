@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import msgspec
@@ -753,7 +753,7 @@ def apply(
             verifiers[g].chunk_done(i, _apply_group_chunk(header.groups[g], chunk, data, arrays[g]))
 
         jobs = [(g, i, c) for g, group in enumerate(header.groups) for i, c in enumerate(group.chunks)]
-        list(pool.map(run, jobs))
+        _all_or_raise([pool.submit(run, job) for job in jobs])
         for verifier in verifiers:
             verifier.finish()
     finally:
@@ -764,6 +764,14 @@ def apply(
         for g, group in enumerate(header.groups)
         for t, a in zip(group.tensors, arrays[g], strict=True)
     }
+
+
+def _all_or_raise(futures: list[Future]) -> None:
+    """Wait for every job, then raise the first failure: a job still writing into the caller's
+    arrays after apply() raised would race whatever the caller does next (rebuild from a keyframe)."""
+    wait(futures)
+    for future in futures:
+        future.result()
 
 
 def _threads() -> int:

@@ -405,3 +405,39 @@ def test_forged_group_layouts_are_refused(sample):
     ):
         with pytest.raises(PatchFormatError):
             patch_codec.apply(_rebuild(patch, msgspec.structs.replace(header, groups=[forged_group])), base)
+
+
+def test_a_failing_chunk_leaves_no_job_running_after_apply_raises(sample, monkeypatch):
+    """apply() returns (or raises) only when every chunk job has finished: the caller may rebuild
+    the same arrays from a keyframe right after a refusal. The first chunk fails at once while the
+    others are still at work (held up on purpose)."""
+    import threading
+    import time
+
+    base, _, patch = sample
+    header, _ = patch_codec.read_header(patch)
+    (group,) = header.groups
+    assert len(group.chunks) >= 3
+    broken = msgspec.structs.replace(group.chunks[0], size=group.chunks[0].size - 1)
+    group = msgspec.structs.replace(group, chunks=[broken, *group.chunks[1:]])
+    forged = _rebuild(patch, msgspec.structs.replace(header, groups=[group]))
+    running, lock = [0], threading.Lock()
+    real = patch_codec._apply_group_chunk
+
+    def counted(group, chunk, data, arrays):
+        with lock:
+            running[0] += 1
+        try:
+            if chunk.start != 0:
+                time.sleep(0.2)  # still writing when the first chunk's failure is known
+            return real(group, chunk, data, arrays)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(patch_codec, "_apply_group_chunk", counted)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        buffers = {n: TensorBits(b.dtype, b.shape, b.bits.copy()) for n, b in base.items()}
+        with pytest.raises(PatchFormatError):
+            patch_codec.apply(forged, buffers, inplace=True, pool=pool)
+        assert running[0] == 0
