@@ -441,3 +441,13 @@ def test_a_failing_chunk_leaves_no_job_running_after_apply_raises(sample, monkey
         with pytest.raises(PatchFormatError):
             patch_codec.apply(forged, buffers, inplace=True, pool=pool)
         assert running[0] == 0
+
+
+def test_strided_inputs_round_trip():
+    """Callers may pass views that are not contiguous; the kernels get contiguous copies."""
+    rng = np.random.default_rng(8)
+    wide = _bf16(rng, 40_000)
+    changed = wide.copy()
+    changed[::7] += 1
+    base, target = _pair(wide[::2], changed[::2])
+    _round_trip(base, target, chunk_elements=4096)
