@@ -4,8 +4,10 @@ The trainer side publishes versions of a Qwen3-MoE (Adam-sized steps, lr 1e-6) t
 ChainPublisher; 1, 2 and 4 island processes follow the chain (materialize, verify, commit to the
 reference engine). Latency per island and version = the moment the island serves the version minus
 the moment its event was appended. The patch path (one keyframe, then patches) and the keyframe
-path (every version a keyframe) run in the same invocation on the same machine; their ratio is
-the figure. The pause is the time the engine stopped serving to commit the new weights.
+path (every version a keyframe, downloaded whole: each is published by a fresh publisher, which holds
+no earlier version to ship a patch onto the keyframe from) run in the same invocation on the same
+machine; their ratio is the figure. The pause is the time the engine stopped serving to commit the
+new weights.
 
 Everything here is on one machine, so downloads run at loopback speed and local work (reading,
 verifying and writing the version, loading it into the engine) dominates both paths. The same
@@ -195,14 +197,18 @@ async def _one_run(
     await apply(event_log.js, settings.streams, run_id)
     model_config, state = moe_state(quick, config)
     key = generate_signing_key()
-    publisher = ChainPublisher(
-        event_log,
-        open_blob_store(settings.blobs),
-        run_id=run_id,
-        model_config=model_config,
-        settings=ChainSettings(views=["bf16"], keyframe_every=1 if path == "keyframe" else 1_000_000),
-        signing_key=key,
-    )
+
+    def new_publisher() -> ChainPublisher:
+        return ChainPublisher(
+            event_log,
+            open_blob_store(settings.blobs),
+            run_id=run_id,
+            model_config=model_config,
+            settings=ChainSettings(views=["bf16"], keyframe_every=1 if path == "keyframe" else 1_000_000),
+            signing_key=key,
+        )
+
+    publisher = new_publisher()
     event0 = await publisher.publish(0, state)
     islands = await _start_islands(settings, run_id, count, tmp / run_id, link_mbps, public_key_text(key))
     latencies, pauses, verified = [], [], True
@@ -214,6 +220,12 @@ async def _one_run(
         for version in range(1, versions + 1):
             adam_sized_step(state, gen)
             os.sync()  # the islands' earlier writes reach the disk first (see the module's docstring)
+            if path == "keyframe":
+                # A keyframe also ships a patch from the version before, which a follower would take instead:
+                # a publisher that holds no earlier version (as after a restart) ships the keyframe alone.
+                publisher.close()
+                publisher = new_publisher()
+                await publisher.open()
             event = await publisher.publish(version, state)
             appended = time.time()
             await wait_all(islands, version)
