@@ -46,6 +46,7 @@ from schemas import (
     Reward,
     TrainerMetrics,
     Trajectory,
+    ViewVersion,
     decode_lineage,
 )
 
@@ -354,8 +355,11 @@ class RunMonitor:
         for view in event.views:
             if view.kind == "keyframe":
                 state.keyframe_size[view.view] = view.bytes
-        shipped = sum(v.bytes for v in event.views)
-        patch = sum(v.bytes for v in event.views if v.kind == "patch")
+        # What a follower at v-1 downloads: a keyframe also ships a patch from v-1 (a skip patch), and
+        # followers take that instead of the keyframe.
+        follow = [_follower_download(v, event.version) for v in event.views]
+        shipped = sum(size for size, _ in follow)
+        patch = sum(size for size, is_patch in follow if is_patch)
         full = sum(state.keyframe_size.get(v.view, v.bytes) for v in event.views)
         groups: list[str] = []
         if event.lineage_uri:
@@ -368,3 +372,11 @@ class RunMonitor:
         state.versions[event.version] = VersionRecord(
             event.version, event.trainer_step, at, shipped, patch, full, event.consumed_trajectories, groups
         )
+
+
+def _follower_download(view: ViewVersion, version: int) -> tuple[int, bool]:
+    """(bytes, whether they are a patch) that an island serving v-1 downloads for this view of `version`."""
+    if view.kind == "keyframe":
+        from_previous = [s.bytes for s in view.skip_patches if s.base_version == version - 1]
+        return (from_previous[0], True) if from_previous else (view.bytes, False)
+    return view.bytes, True
