@@ -19,8 +19,15 @@ Decoding symbol i (i = 0..count-1) uses state x = x[i % 4]:
     x = freq[s] * (x >> SCALE_BITS) + slot - cum[s]
     while x < L: x = (x << 8) | next body byte
 
-with M = 2**SCALE_BITS, L = 2**23 and cum[s] the sum of the frequencies of smaller symbols. After
-the last symbol every state equals L again and the body is used up exactly: a reader checks both.
+with SCALE_BITS = 14, M = 2**14, L = 2**23 and cum[s] the sum of the frequencies of smaller symbols. Every
+initial state lies in [L, 2**31) (a reader refuses others; from there no state leaves that range and
+each renormalises with at most two bytes per symbol). After the last symbol every state equals L
+again and the body is used up exactly: a reader checks both.
+
+The encoder (reference, not part of the format): states start at L; symbols are coded last to
+first, symbol i with state x[i % 4]: while x >= ((L >> SCALE_BITS) << 8) * freq[s], emit x & 0xFF
+and x >>= 8; then x = ((x // freq[s]) << SCALE_BITS) + (x % freq[s]) + cum[s]. The emitted bytes,
+reversed, are the body; the final states are written as x0..x3.
 """
 
 from __future__ import annotations
