@@ -16,6 +16,14 @@ from pipeline.logs import configure_logging
 from tests.servers import new_run_id, start_stack
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the codec's kernels once, up front (10-30 s on a fresh machine, then numba's cache):
+    otherwise the first test or island subprocess to touch a patch pays it inside its own wait."""
+    from pipeline.codec.warm import warm
+
+    warm()
+
+
 @pytest.fixture(scope="session")
 def stack_session(tmp_path_factory: pytest.TempPathFactory) -> StackSettings:
     configure_logging("tests", fmt="json", level="WARNING")
