@@ -63,6 +63,7 @@ import math
 import os
 import shutil
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -590,13 +591,20 @@ class Materializer:
 
     def _execute(self, version: int, start: tuple[str, int], edges: list[_Edge], local: _LocalState) -> Materialized:
         written_before = process_written_bytes()
-        # Every blob first: a corrupt or missing patch fails here, before any slot is taken apart.
+        clock = _Phases()
+        # Every blob first, and every shard covered: a corrupt, missing or incomplete patch fails here,
+        # before any slot is taken apart.
+        self._check_coverage(start, edges)
         fetched = self._fetch_patches(edges)
+        clock.lap("fetch")
         build = self._stage(version, start, local)
         build.fetched += fetched
+        clock.lap("stage")
         try:
             self._apply_route(build, edges)
+            clock.lap("apply")
             self._finish(build, version, edges)
+            clock.lap("finish")
         except BaseException:
             # Cleanup, then re-raise whatever it was (a failed edge, an outage, a cancellation): a
             # half-built staging directory must not outlive any failure. Nothing is swallowed here.
@@ -621,6 +629,7 @@ class Materializer:
             downloaded_bytes=build.fetched,
             written_bytes=written,
             changed_tensor_bytes=changed,
+            seconds=clock.seconds,
         )
         return Materialized(
             version,
@@ -633,6 +642,25 @@ class Materializer:
             changed_tensor_bytes=changed,
             slot=build.slot,
         )
+
+    def _check_coverage(self, start: tuple[str, int], edges: list[_Edge]) -> None:
+        """Every edge has a patch for every shard of the start (patches are cut along its shards)."""
+        if not edges:
+            return
+        kind, version = start
+        if kind == "keyframe":
+            shards = {b.name for b in self._view_of(self._events[version]).blobs if b.name.endswith(".safetensors")}
+        else:
+            try:
+                shards = set(read_weight_map(self.path_of(version)).values())
+            except (OSError, ValueError, KeyError) as exc:
+                raise _EdgeFailed(None, start, f"cached v{version} has no readable index ({exc})") from exc
+        for edge in edges:
+            missing = shards - {b.name for b in edge.blobs}
+            if missing:
+                raise _EdgeFailed(
+                    edge, None, f"{edge.kind} v{edge.base}->v{edge.target} has no patch for shard {min(missing)}"
+                )
 
     def _fetch_patches(self, edges: list[_Edge]) -> int:
         """Every patch blob of the route into the local patch store; returns the bytes downloaded."""
@@ -690,15 +718,8 @@ class Materializer:
     def _apply_route(self, build: _Build, edges: list[_Edge]) -> None:
         if not edges:
             return
-        weight_map = read_weight_map(build.staging)
-        shards = sorted(set(weight_map.values()))
-        by_shard = {edge: {b.name: b for b in edge.blobs} for edge in edges}
-        for edge in edges:
-            for shard in shards:
-                if shard not in by_shard[edge]:
-                    raise _EdgeFailed(
-                        edge, None, f"{edge.kind} v{edge.base}->v{edge.target} has no patch for shard {shard}"
-                    )
+        shards = sorted(set(read_weight_map(build.staging).values()))
+        by_shard = {edge: {b.name: b for b in edge.blobs} for edge in edges}  # every shard: `_check_coverage`
         for shard in shards:
             self._patch_shard(build, shard, [(edge, by_shard[edge][shard]) for edge in edges])
 
@@ -841,6 +862,19 @@ class Materializer:
                 if skip.base_version >= lowest:
                     wanted |= {b.sha256 for b in skip.blobs}
         self.patches.keep_only(wanted)
+
+
+class _Phases:
+    """Seconds spent in each phase of a build (logged with "materialized": where a version's time goes)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = round(now - self._last, 4)
+        self._last = now
 
 
 @dataclass

@@ -96,8 +96,9 @@ def test_the_layout_is_where_safetensors_reads_each_tensor(tmp_path):
         assert span.dtype == dtype_name(tensors[name].dtype) and span.shape == tuple(tensors[name].shape)
         assert raw[span.begin : span.end] == to_bits(tensors[name]).tobytes() and span.aligned
     assert hash_shard(layout) == _digests(tensors)
-    with mapped_tensors(layout, writable=True) as arrays:
-        arrays["a.weight"][3] ^= 0x00FF  # written through the mapping ...
+    with mapped_tensors(layout, writable=True) as mapped:
+        mapped.prefault_for_writes("a.weight")
+        mapped.arrays["a.weight"][3] ^= 0x00FF  # written through the mapping ...
     assert to_bits(_read(path)["a.weight"])[3] == to_bits(tensors["a.weight"])[3] ^ 0x00FF  # ... is in the file
 
 
