@@ -13,14 +13,17 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import re
 import struct
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 import xxhash
+import zstandard
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -643,6 +646,139 @@ def test_the_lineage_and_archive_keys_are_the_documented_ones():
     )
     assert key_regex(key_pattern("archive/")).match(archive.to_key())
     assert all(key_regex(p) for p in key_patterns())  # every placeholder is one the page describes
+
+
+# ================================================================ section 8: the patch examples are the codec's bytes
+# These check the page's patch examples against pipeline/patch_codec.py; they are not a reader (the
+# reader of section 8 is written apart from the codec, from the page alone).
+
+
+def listing_bytes(block: str) -> bytes:
+    """An annotated listing (section 8.10: the hex before `#` on each line, in order) back to bytes."""
+    return bytes.fromhex("".join("".join(line.split("#", 1)[0].split()) for line in block.splitlines()))
+
+
+def _patch_example_inputs():
+    """Section 8.10's inputs: encode() keyword arguments, then base and target TensorBits by name."""
+    from pipeline.bits import bits_dtype
+    from pipeline.patch_codec import TensorBits
+
+    first, *lines = doc_block("patch-example-inputs").splitlines()
+    params = {key: value if key == "view" else int(value) for key, value in re.findall(r"(\w+) (\w+)", first)}
+    specs, values, current = {}, {}, None
+    for line in lines:
+        if not line.startswith(" "):
+            name, dtype, dims = re.fullmatch(r"(\S+) (\w+) \[([\d, ]*)\]", line).groups()
+            specs[name] = (dtype, tuple(int(d) for d in dims.split(",") if d.strip()))
+            values[name] = {"base": [], "target": []}
+            continue
+        words = line.split()
+        if words[0] in ("base", "target"):
+            current, words = words[0], words[1:]
+        values[name][current] += [int(w, 16) for w in words]
+    sides = {
+        side: {
+            n: TensorBits(dtype, shape, np.array(values[n][side], dtype=bits_dtype(dtype)))
+            for n, (dtype, shape) in specs.items()
+        }
+        for side in ("base", "target")
+    }
+    for n, (_, shape) in specs.items():
+        assert len(values[n]["base"]) == len(values[n]["target"]) == math.prod(shape), n
+    return params, sides["base"], sides["target"]
+
+
+def test_the_patch_example_is_what_the_codec_writes():
+    from pipeline import patch_codec
+
+    params, base, target = _patch_example_inputs()
+    assert len(base) == 3 and params["chunk_elements"] == 16
+    patch = patch_codec.encode(base, target, **params)
+    (header_length,) = struct.unpack_from("<I", patch, 10)
+    header = zstandard.ZstdDecompressor().decompress(patch[14 : 14 + header_length])
+    assert listing_bytes(doc_block("patch-example-header")) == header, "8.10: the header's msgpack changed"
+    assert listing_bytes(doc_block("patch-example-payload")) == patch[14 + header_length :], "8.10: the payload"
+    assert parse_hexdump(doc_block("patch-example-hex")) == patch, (
+        "8.10's hex dump is not what encode() writes (msgpack and payload agree: if only the zstd frame "
+        "differs, a new libzstd compresses the header differently; regenerate the dump)"
+    )
+    assert f"The patch ({len(patch)} bytes)" in doc_text()
+    # the example is a patch the codec applies, bit for bit, and refuses on any other base
+    out = patch_codec.apply(patch, base)
+    assert all(np.array_equal(out[n].bits, target[n].bits) for n in target)
+    header_struct, _ = patch_codec.read_header(patch)
+    modes = [
+        (patch[14 + header_length + c.offset], patch[15 + header_length + c.offset])
+        for g in header_struct.groups
+        for c in g.chunks
+        if c.size
+    ]
+    assert modes == [(1, 1), (2, 0), (1, 2)]  # 8.10: sparse ulp, dense xor, sparse raw
+    with pytest.raises(patch_codec.ChecksumMismatch):
+        patch_codec.apply(patch, target)
+
+
+def _rans_example():
+    """Section 8.11's patch, built by the rule the page states; returns it and the d sequence."""
+    from pipeline.patch_codec import TensorBits, encode
+
+    rule = doc_block("rans-example-inputs")
+    n = int(re.search(r"BF16 \[(\d+)\]", rule).group(1))
+    period = [int(d) for d in re.search(r"d = ([-+\d ]+)$", rule).group(1).split()]
+    base = (0x3F80 + np.arange(n) % 7).astype(np.uint16)
+    target = base.copy()
+    for j in range(n // 4):
+        target[4 * j] = int(base[4 * j]) + period[j % len(period)]
+    patch = encode({"w": TensorBits("BF16", (n,), base)}, {"w": TensorBits("BF16", (n,), target)})
+    return patch, [period[j % len(period)] for j in range(n // 4)]
+
+
+def test_the_rans_example_is_a_stream_the_codec_writes():
+    from pipeline import patch_codec
+
+    patch, steps = _rans_example()
+    header, payload = patch_codec.read_header(patch)
+    (chunk,) = header.groups[0].chunks
+    record = bytes(payload[chunk.offset : chunk.offset + chunk.size])
+    assert record[:2] == bytes([1, 1])  # sparse, ulp
+    at = 2
+    for _ in range(4):  # the gap planes; the fifth stream is value plane 0
+        at += 9 + struct.unpack_from("<I", record, at + 5)[0]
+    end = at + 9 + struct.unpack_from("<I", record, at + 5)[0]
+    assert record[at:end] == listing_bytes(doc_block("rans-example-stream"))
+    assert record[at] == 2 and f"bytes {at}–{end - 1} of the record" in doc_text()
+
+    # The hand-decoding table: each row's arithmetic holds, its symbol is zigzag(d), the first four rows
+    # start from the stream's initial states (just before its body) and the next four from their results,
+    # and the last four end at L.
+    stream = record[at:end]
+    zigzag = {1: 2, -1: 1, 2: 4, -2: 3}
+    rows = re.findall(
+        r"^\| (\d+) \| x(\d) \| `0x(\w+)` \| (\d+) \| (\d) \| "
+        r"(\d+)·(\d+) \+ (\d+) − (\d+) = `0x(\w+)` \| (.*?) \| `0x(\w+)` \|$",
+        doc_text(),
+        re.MULTILINE,
+    )
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3, 4, 5, 6, 7, 252, 253, 254, 255]
+    body = int(re.search(r"all (\d+) body bytes have been read", doc_text()).group(1))
+    initial = struct.pack("<4I", *(int(r[2], 16) for r in rows[:4]))
+    assert stream.index(initial) + 16 + body == len(stream)
+    states = {}
+    for i, lane, before, slot, symbol, freq, quotient, slot2, cum, value, read, after in rows:
+        i, lane, x = int(i), int(lane), int(before, 16)
+        assert lane == i % 4 and int(symbol) == zigzag[steps[i]]
+        if 4 <= i < 8:
+            assert x == states[lane], f"row {i}: x{lane} is not what row {i - 4} left"
+        assert int(slot) == int(slot2) == x & 16383 and int(quotient) == x >> 14
+        assert int(cum) <= int(slot) < int(cum) + int(freq)
+        x = int(freq) * int(quotient) + int(slot) - int(cum)
+        assert x == int(value, 16)
+        for byte in read.strip("`").split() if read != "—" else []:
+            x = (x << 8) | int(byte, 16)
+        assert x == int(after, 16) >= 1 << 23
+        states[lane] = x
+        if i >= 252:
+            assert x == 1 << 23
 
 
 # ================================================================ a published chain, read from the page
