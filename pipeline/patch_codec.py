@@ -141,7 +141,22 @@ class _Zstd:
         ctx = getattr(self._local, "d", None)
         if ctx is None:
             ctx = self._local.d = zstandard.ZstdDecompressor()
-        return ctx.decompress(data, max_output_size=size)
+        return _one_frame(ctx, data, size)
+
+
+def _one_frame(ctx: zstandard.ZstdDecompressor, data, limit: int) -> bytes:
+    """Exactly one zstd frame that declares its size (at most `limit`), and nothing after it.
+
+    python-zstandard ignores bytes after a frame; a reader written from docs/FORMAT.md refuses them,
+    so this one does too (two readers must never disagree on what a patch says)."""
+    content_size = zstandard.get_frame_parameters(data).content_size
+    if content_size == zstandard.CONTENTSIZE_UNKNOWN or content_size > limit:
+        raise zstandard.ZstdError(f"zstd frame declares {content_size} bytes, at most {limit} expected")
+    reader = ctx.decompressobj()
+    out = reader.decompress(data)
+    if not reader.eof or reader.unused_data:
+        raise zstandard.ZstdError("zstd frame is incomplete or followed by other bytes")
+    return out
 
 
 # ---------------------------------------------------------------- streams
@@ -245,6 +260,8 @@ def _encode_chunk(
     n = sum(len(t) for t in target)
     width = target[0].dtype.itemsize
     if base is None:  # no base: the chunk is all new
+        if n == 0:
+            return b"", 0, None  # an empty new tensor: nothing to code (a record would be refused)
         planes = _SCRATCH.array("planes", (width, n), np.uint8)
         at = 0
         for t in target:
@@ -548,12 +565,17 @@ def read_header(patch: bytes | memoryview) -> tuple[PatchHeader, memoryview]:
     if header_len > len(view) - start:
         raise PatchFormatError(f"patch header of {header_len} bytes runs past the patch's {len(view)} bytes")
     try:
-        raw = zstandard.ZstdDecompressor().decompress(view[start : start + header_len], max_output_size=1 << 30)
+        raw = _one_frame(zstandard.ZstdDecompressor(), view[start : start + header_len], 1 << 30)
         header = msgspec.msgpack.decode(raw, type=PatchHeader)
     except (msgspec.DecodeError, msgspec.ValidationError, zstandard.ZstdError) as exc:
         raise PatchFormatError(f"corrupt patch header: {exc}") from exc
     if header.format_version != FORMAT_VERSION:
         raise PatchFormatError(f"patch header says format v{header.format_version}, its preamble v{version}")
+    names = header.tensor_names()
+    if len(set(names)) != len(names):
+        # Two entries for one tensor would patch the same array twice, concurrently, in place.
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        raise PatchFormatError(f"patch names tensors {repeated[:3]} more than once")
     payload = view[start + header_len :]
     if len(payload) != header.payload_bytes:
         raise PatchFormatError(f"patch payload is {len(payload)} bytes, header says {header.payload_bytes}")
@@ -586,7 +608,7 @@ def _check_layout(group: GroupEntry) -> None:
     at = 0
     for chunk in group.chunks:
         if len(group.tensors) > 1:
-            ok = chunk.start == 0 and chunk.length == group.elements and len(group.chunks) == 1
+            ok = chunk.start == 0 and chunk.length == group.elements <= MAX_CHUNK_ELEMENTS and len(group.chunks) == 1
         else:
             ok = chunk.start == at and 0 <= chunk.length <= MAX_CHUNK_ELEMENTS
         if not ok:

@@ -451,3 +451,81 @@ def test_strided_inputs_round_trip():
     changed[::7] += 1
     base, target = _pair(wide[::2], changed[::2])
     _round_trip(base, target, chunk_elements=4096)
+
+
+# ---------------------------------------------------------------- what a reader written from the doc refuses too
+
+
+def test_bytes_after_a_zstd_frame_are_refused():
+    """python-zstandard ignores what follows a frame; a reader built from docs/FORMAT.md refuses it, so
+    the codec must as well, or two readers would disagree on one patch."""
+    base = np.zeros(4096, dtype=np.uint16)
+    target = (np.arange(4096) % 251).astype(np.uint16)  # every element changes: a dense chunk
+    base_d, target_d = _pair(base, target)
+    patch = patch_codec.encode(base_d, target_d)
+    header, payload = patch_codec.read_header(patch)
+    # the header frame with a byte after it
+    body = zstandard.ZstdCompressor().compress(msgspec.msgpack.encode(header)) + b"\x00"
+    forged = struct.pack("<8sHI", patch_codec.MAGIC, patch_codec.FORMAT_VERSION, len(body)) + body + bytes(payload)
+    with pytest.raises(PatchFormatError, match="followed by other bytes"):
+        patch_codec.read_header(forged)
+    # a dense zstd stream with a byte after its frame
+    n = 4096
+    planes = [np.frombuffer(target.astype("<u2").tobytes(), np.uint8)[p::2].tobytes() for p in range(2)]
+    streams = b"".join(
+        struct.pack("<BII", 3, n, len(frame)) + frame
+        for frame in (zstandard.ZstdCompressor().compress(plane) + b"\x07" for plane in planes)
+    )
+    record = bytes([2, 2]) + streams  # dense, raw values
+    (group,) = header.groups
+    chunk = msgspec.structs.replace(group.chunks[0], offset=0, size=len(record))
+    forged = _rebuild(
+        patch,
+        msgspec.structs.replace(
+            header, groups=[msgspec.structs.replace(group, chunks=[chunk])], payload_bytes=len(record)
+        ),
+        record,
+    )
+    with pytest.raises(PatchFormatError):
+        patch_codec.apply(forged, base_d)
+    # the same record without the stray bytes is a valid patch: what was refused was only the extra byte
+    clean = b"".join(
+        struct.pack("<BII", 3, n, len(f)) + f for f in (zstandard.ZstdCompressor().compress(p) for p in planes)
+    )
+    record = bytes([2, 2]) + clean
+    chunk = msgspec.structs.replace(group.chunks[0], offset=0, size=len(record))
+    valid = _rebuild(
+        patch,
+        msgspec.structs.replace(
+            header, groups=[msgspec.structs.replace(group, chunks=[chunk])], payload_bytes=len(record)
+        ),
+        record,
+    )
+    assert np.array_equal(patch_codec.apply(valid, base_d)["w"].bits, target)
+
+
+def test_a_tensor_named_twice_is_refused():
+    rng = np.random.default_rng(3)
+    base, target = _bf16(rng, 100), _bf16(rng, 100)
+    patch = patch_codec.encode(
+        {"a": TensorBits("BF16", (100,), base), "b": TensorBits("BF16", (100,), base.copy())},
+        {"a": TensorBits("BF16", (100,), target), "b": TensorBits("BF16", (100,), target.copy())},
+        chunk_elements=100,
+    )
+    header, _ = patch_codec.read_header(patch)
+    renamed = [
+        msgspec.structs.replace(g, tensors=[msgspec.structs.replace(t, name="a") for t in g.tensors])
+        for g in header.groups
+    ]
+    with pytest.raises(PatchFormatError, match="more than once"):
+        patch_codec.read_header(_rebuild(patch, msgspec.structs.replace(header, groups=renamed)))
+
+
+def test_empty_new_tensors_round_trip():
+    target = {
+        "empty": TensorBits("BF16", (0,), np.zeros(0, np.uint16)),
+        "flat": TensorBits("BF16", (2, 0, 3), np.zeros(0, np.uint16)),
+    }
+    for base in (None, {"other": TensorBits("F32", (3,), np.arange(3, dtype=np.uint32))}):
+        out = patch_codec.apply(patch_codec.encode(base, target), base)
+        assert {n: (t.shape, len(t.bits)) for n, t in out.items()} == {"empty": ((0,), 0), "flat": ((2, 0, 3), 0)}
