@@ -5,11 +5,11 @@ the files, independent of the in-place layout code) against the version's root h
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -68,18 +68,22 @@ def _proc_env(settings) -> dict[str, str]:
     return {**os.environ, "SPRAWL_RUN_ID": settings.run_id, **connection_env(settings, "sampler")}
 
 
-def _proc(settings, cache: Path, version: int, *flags: str) -> subprocess.Popen:
+async def _proc(settings, cache: Path, version: int, *flags: str) -> asyncio.subprocess.Process:
     cmd = [sys.executable, "-m", "tests.materialize_proc", str(cache), str(version), *flags]
-    return subprocess.Popen(cmd, env=_proc_env(settings), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return await asyncio.create_subprocess_exec(
+        *cmd, env=_proc_env(settings), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+    )
 
 
-def _report(proc: subprocess.Popen) -> dict:
-    """The next JSON line the process prints (it fails the test, not hangs it, if the process dies)."""
+async def _report(proc: asyncio.subprocess.Process) -> dict:
+    """The next JSON line the process prints; fails the test (not hangs it) if none comes."""
     assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("{"):
+    while True:
+        line = await asyncio.wait_for(proc.stdout.readline(), HANG_GUARD_S)
+        if not line:
+            raise AssertionError(f"the process ended (exit {await proc.wait()}) without a report")
+        if line.startswith(b"{"):
             return json.loads(line)
-    raise AssertionError(f"the process ended (exit {proc.wait(HANG_GUARD_S)}) without a report")
 
 
 async def test_a_chain_applied_in_place_is_bit_exact_and_the_served_version_stays_untouched(
@@ -119,12 +123,12 @@ async def test_a_crash_mid_apply_leaves_a_staging_directory_that_is_never_served
     served = _files(follower.path_of(2))
 
     # Another process builds v3 into the standby slot (v1) and is killed in the middle of writing into it.
-    proc = _proc(settings, cache, 3, "--halt-after-first-apply")
+    proc = await _proc(settings, cache, 3, "--halt-after-first-apply")
     try:
-        assert _report(proc) == {"halted": True}
+        assert await _report(proc) == {"halted": True}
     finally:
         proc.send_signal(signal.SIGKILL)
-        proc.wait(HANG_GUARD_S)
+        await asyncio.wait_for(proc.wait(), HANG_GUARD_S)
     root = follower.root
     [staging] = root.glob(".tmp-v3-*")
     assert not (staging / MANIFEST_FILE).exists()
@@ -179,9 +183,9 @@ async def test_a_version_pinned_by_another_process_is_not_recycled(event_log, se
     await ours.materialize(0)
 
     # Another process's engine serves v1 from this cache (it holds the pin until we close its stdin).
-    holder = _proc(settings, cache, 1, "--pin")
+    holder = await _proc(settings, cache, 1, "--pin")
     try:
-        pinned = Path(_report(holder)["path"])
+        pinned = Path((await _report(holder))["path"])
         assert pinned == ours.path_of(1) and in_use(pinned)
         pinned_bytes = _files(pinned)
         await ours.materialize(2)
@@ -189,7 +193,7 @@ async def test_a_version_pinned_by_another_process_is_not_recycled(event_log, se
         assert got.slot == "copy of v2" and got.root_hash == chain.roots[3] == verify_directory(got.path)
         assert 1 in ours.cached_versions() and _files(pinned) == pinned_bytes  # kept past keep_versions
     finally:
-        holder.communicate(input="", timeout=HANG_GUARD_S)
+        await asyncio.wait_for(holder.communicate(b""), HANG_GUARD_S)  # its stdin closed: it lets go
     assert holder.returncode == 0 and not in_use(pinned)
     got = await ours.materialize(4)  # unpinned: the older slots are recycled and collected again
     assert got.slot == "recycled v2" and got.root_hash == chain.roots[4] == verify_directory(got.path)
