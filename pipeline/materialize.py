@@ -9,8 +9,8 @@ neither corrupt it nor download twice.
 Proportional to the patch: a version directory is a recyclable slot (`pipeline/version_slots.py`).
 To build version N from a cached version that nobody serves (not `current`, not pinned by an engine),
 that directory is renamed to a staging name and the route's patches are written into its shards in
-place, at the changed positions only (`pipeline/safetensors_layout.py`: the header does not move for
-a patch that keeps shapes and dtypes). Two directories then take turns (A/B): the one served, and the
+place, at the changed positions only (`pipeline/shard_patch.py`, `pipeline/safetensors_layout.py`: the
+header does not move for a patch that keeps shapes and dtypes). Two directories then take turns (A/B): the one served, and the
 standby that catches up two versions at a time, reading the older patch from the local patch store
 (`pipeline/patch_store.py`) instead of downloading it again. Where the only start is protected, it is
 copied once (the second slot's creation). A keyframe start downloads its shards straight into the
