@@ -279,6 +279,7 @@ def test_new_tensors_without_base() -> None:
         "fresh": tb("I64", random_bits(rng, "I64", 777)),
         "fresh.scalar": tb("F32", np.array([0x3F800000], dtype=np.uint32), ()),
         "fresh.empty": tb("BF16", np.zeros(0, dtype=np.uint16), (0, 4)),
+        "fresh.zeros": tb("F8_E4M3", np.zeros(300, dtype=np.uint8)),  # no bit differs from "no base"
     }
     base = {"kept": tb("BF16", kept), "reshaped": tb("F32", old_shape), "retyped": tb("F32", old_shape)}
     patched = decode_and_compare(base, target)
