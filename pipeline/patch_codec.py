@@ -567,6 +567,11 @@ def read_header(patch: bytes | memoryview) -> tuple[PatchHeader, memoryview]:
     try:
         raw = _one_frame(zstandard.ZstdDecompressor(), view[start : start + header_len], 1 << 30)
         header = msgspec.msgpack.decode(raw, type=PatchHeader)
+        # msgspec keeps the last of repeated keys and ignores array items past a struct's fields; the
+        # encoder always writes the canonical form, so anything else is a forgery a lenient reader
+        # might read differently (docs/FORMAT.md 8.3).
+        if msgspec.msgpack.encode(header) != raw:
+            raise PatchFormatError("patch header is not in canonical form (a repeated key, an extra item or field)")
     except (msgspec.DecodeError, msgspec.ValidationError, zstandard.ZstdError) as exc:
         raise PatchFormatError(f"corrupt patch header: {exc}") from exc
     if header.format_version != FORMAT_VERSION:

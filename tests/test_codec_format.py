@@ -529,3 +529,38 @@ def test_empty_new_tensors_round_trip():
     for base in (None, {"other": TensorBits("F32", (3,), np.arange(3, dtype=np.uint32))}):
         out = patch_codec.apply(patch_codec.encode(base, target), base)
         assert {n: (t.shape, len(t.bits)) for n, t in out.items()} == {"empty": ((0,), 0), "flat": ((2, 0, 3), 0)}
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        # a repeated key: a lenient decoder keeps the last one, so two readers could disagree
+        lambda raw: raw.replace(b"\x86\xaeformat_version\x02", b"\x87\xaeformat_version\x02\xaeformat_version\x02", 1),
+        # an unknown key
+        lambda raw: raw.replace(b"\x86\xaeformat_version\x02", b"\x87\xa5extra\x00\xaeformat_version\x02", 1),
+    ],
+)
+def test_non_canonical_headers_are_refused(sample, edit):
+    base, _, patch = sample
+    header, payload = patch_codec.read_header(patch)
+    raw = msgspec.msgpack.encode(header)
+    forged_raw = edit(raw)
+    assert forged_raw != raw
+    body = zstandard.ZstdCompressor().compress(forged_raw)
+    forged = struct.pack("<8sHI", patch_codec.MAGIC, patch_codec.FORMAT_VERSION, len(body)) + body + bytes(payload)
+    with pytest.raises(PatchFormatError):
+        patch_codec.apply(forged, base)
+
+
+def test_a_chunk_entry_with_an_extra_item_is_refused(sample):
+    base, _, patch = sample
+    header, payload = patch_codec.read_header(patch)
+    raw = msgspec.msgpack.encode(header)
+    chunk = header.groups[0].chunks[0]
+    entry = msgspec.msgpack.encode([chunk.start, chunk.length, chunk.changed, chunk.offset, chunk.size])
+    extended = b"\x96" + entry[1:] + b"\x00"
+    assert raw.count(entry) == 1
+    body = zstandard.ZstdCompressor().compress(raw.replace(entry, extended))
+    forged = struct.pack("<8sHI", patch_codec.MAGIC, patch_codec.FORMAT_VERSION, len(body)) + body + bytes(payload)
+    with pytest.raises(PatchFormatError, match="canonical"):
+        patch_codec.apply(forged, base)
