@@ -204,7 +204,7 @@ class ChainPublisher:
         ]
         # Patches are cut along the shards of this version's layout: one from v-k is only usable by a
         # follower whose copy of v-k has the same shards (always so unless a keyframe re-cut them).
-        distances = set(self.settings.skip_distances) | ({1} if keyframe else set())
+        distances = set(self.settings.skip_distances) | ({1} if keyframe and self.settings.keyframe_patches else set())
         skips = []
         for k in sorted(distances) if state.weight_map == layout_before else []:
             older = state.history.get(version - k)

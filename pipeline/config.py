@@ -248,6 +248,9 @@ class ChainSettings(Section):
     """Served views the trainer publishes for every version (e.g. `bf16`, `fp8_e4m3`)."""
     keyframe_every: int = Field(20, ge=1)
     """A full keyframe every K versions (and at version 0); patches in between."""
+    keyframe_patches: bool = True
+    """A keyframe also ships a patch from the version before it (as a skip patch), so a follower never
+    downloads a whole keyframe just because the trainer wrote one. Off only for baselines (benchmarks)."""
     skip_distances: list[Annotated[int, Field(ge=2)]] = []
     """Also publish skip-patches v-k -> v for these k (>= 2: k = 1 is the ordinary patch), so laggards
     catch up in one hop (costs k views of memory)."""

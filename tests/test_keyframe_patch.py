@@ -109,3 +109,14 @@ async def test_a_corrupt_keyframe_patch_falls_back_to_the_keyframe(event_log, se
     assert got.root_hash == roots[3]["bf16"] == verify_directory(got.path)
     assert follower.failures.by_blob == {corrupt: 1}
     assert S3BlobStore(settings.blobs).exists(corrupt)  # refused for its bytes, not for being missing
+
+
+async def test_keyframe_patches_can_be_turned_off_for_a_baseline(event_log, settings):
+    """Benchmarks compare the patch path with keyframes downloaded whole: that baseline turns them off."""
+    model = tiny_moe()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    pub = publisher(event_log, settings, model, views=["bf16"], keyframe_every=1, keyframe_patches=False)
+    events = await _publish(pub, state, range(3), torch.Generator().manual_seed(2), {})
+    pub.close()
+    assert [e.views[0].kind for e in events] == ["keyframe"] * 3
+    assert all(e.views[0].skip_patches == [] for e in events)

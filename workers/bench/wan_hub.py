@@ -111,7 +111,13 @@ class Hub:
             blobs,
             run_id=run_id,
             model_config=model_config,
-            settings=ChainSettings(views=["bf16"], keyframe_every=1 if path == "keyframe" else 1_000_000),
+            # The keyframe path is the baseline: every version downloaded whole, so no keyframe ships a
+            # patch from the version before (which followers would take instead).
+            settings=ChainSettings(
+                views=["bf16"],
+                keyframe_every=1 if path == "keyframe" else 1_000_000,
+                keyframe_patches=path != "keyframe",
+            ),
             signing_key=self.key,
         )
         self.run = _Run(run_id, event_log, blobs, publisher, state, torch.Generator().manual_seed(1))

@@ -61,8 +61,8 @@ class WatchdogSection(Section):
 
 DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
     "trainer": {"groups_per_batch": 8, "group_size": 16, "learning_rate": 3e-4},
-    # skip_distances [2]: an island at v-1 keeps v-2 cached (keep_versions 3), so one corrupt patch is routed
-    # around with one skip patch instead of pinning every island until the next keyframe.
+    # skip_distances [2]: an island at v-1 still holds v-2 in its standby slot (keep_versions 2), so one
+    # corrupt patch is routed around with one skip patch instead of pinning every island until the next keyframe.
     "chain": {"views": ["bf16", "fp8_e4m3"], "keyframe_every": 50, "skip_distances": [2]},
 }
 """Where the demo's tuned values differ from the library's defaults (see the README)."""
