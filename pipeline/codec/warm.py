@@ -8,6 +8,8 @@ thread is fine: the kernels release the GIL); CI can call it once before the tes
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 
@@ -27,3 +29,21 @@ def warm() -> None:
                 patch = encode(base, target, chunk_elements=chunk_elements)
                 apply(patch, base)
         apply(encode(None, target), None)
+
+
+def warm_in_background() -> threading.Thread:
+    """Start `warm()` in a daemon thread: a worker starting on a fresh machine compiles the kernels
+    while it connects and loads its keyframe, instead of inside its first patch (10-30 s). A failure
+    here is not fatal: the first real encode or apply compiles (or fails) on its own, loudly."""
+
+    def run() -> None:
+        try:
+            warm()
+        except Exception as exc:
+            from pipeline.logs import get_logger
+
+            get_logger(__name__).warning("codec warm-up failed", error=repr(exc))
+
+    thread = threading.Thread(target=run, name="codec-warm-up", daemon=True)
+    thread.start()
+    return thread

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from pipeline.codec.warm import warm_in_background
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
 from pipeline.version_signing import island_trust
@@ -387,6 +388,7 @@ async def serve(sidecar: Sidecar, host: str, port: int) -> tuple[web.AppRunner, 
 
 async def run_sidecar(settings: SidecarSettings) -> None:
     trust = island_trust(settings.trust)  # before connecting: no key and no opt-out, no island
+    warm_in_background()
     event_log = await EventLog.connect(settings, worker=f"sidecar-{settings.island.view}")
     island = build_island(event_log, settings.blobs, settings.run_id, settings.island, trust)
     await island.start()

@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 import xxhash
 
+from pipeline.codec.warm import warm_in_background
 from pipeline.consumer import Consumer, Delivery
 from pipeline.errors import PoisonEvent, TransientError
 from pipeline.eventlog import NO_ANSWER, EventLog
@@ -216,6 +217,7 @@ class SamplerWorker:
 
 async def run_sampler(settings: SamplerSettings) -> None:
     trust = island_trust(settings.trust)  # before connecting: no key and no opt-out, no island
+    warm_in_background()
 
     async def body(event_log: EventLog, stop: asyncio.Event) -> None:
         island = build_island(event_log, settings.blobs, settings.run_id, settings.island, trust)

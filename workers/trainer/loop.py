@@ -29,6 +29,7 @@ import torch
 from pipeline.batching import BatchAssembler, GroupBatchItem
 from pipeline.blobstore import BlobStore, open_blob_store
 from pipeline.chain_publish import ChainPublisher
+from pipeline.codec.warm import warm_in_background
 from pipeline.errors import SprawlError, TransientError
 from pipeline.eventlog import EventLog
 from pipeline.lease import RunLease
@@ -346,6 +347,8 @@ class Trainer:
 
 
 async def run_trainer(settings: TrainerSettings) -> None:
+    warm_in_background()  # its first patch is encoded after version 0
+
     async def body(event_log: EventLog, stop: asyncio.Event) -> None:
         await Trainer(settings, event_log, open_blob_store(settings.blobs)).run(stop)
 
