@@ -444,8 +444,45 @@ async def test_sglang_partial_copies_left_by_a_killed_process_are_swept(fake_sgl
     stale = tmp_path / f"{PARTIAL_PREFIX}stale"
     stale.mkdir()
     (stale / "model-00001-of-00001.safetensors").write_bytes(b"half written")
+    (stale / ".owner").touch()  # its owner lock died with the process
     await sglang.load_weights(_version(tmp_path, "v0"), 0)
     await sglang.load_weights(_version(tmp_path, "v1", seed=1), 1, ["model.norm.weight"])
+    assert not _partials_left(tmp_path)
+
+
+def test_a_partial_copy_another_live_island_holds_is_not_swept(tmp_path):
+    """Islands of one view on one host share a cache directory: one island's sweep must not delete the
+    copy another live island's engine is loading, and must delete it once that process is gone."""
+    import subprocess
+    import sys
+
+    write_checkpoint(tmp_path / "v3", _tensors(0), MODEL_CONFIG, max_shard_bytes=4096)
+    theirs = tmp_path / f"{PARTIAL_PREFIX}theirs"
+    theirs.mkdir()
+    (theirs / "model-00001-of-00001.safetensors").write_bytes(b"being loaded")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys; f = open(sys.argv[1], 'wb'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "print('held', flush=True); sys.stdin.read()",
+            str(theirs / ".owner"),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        mine = write_partial_checkpoint(tmp_path / "v3", frozenset({"model.norm.weight"}))
+        assert theirs.exists() and (theirs / "model-00001-of-00001.safetensors").read_bytes() == b"being loaded"
+        remove_partial_checkpoint(mine)
+    finally:
+        holder.kill()
+        holder.wait()
+    mine = write_partial_checkpoint(tmp_path / "v3", frozenset({"model.norm.weight"}))
+    assert not theirs.exists()  # its owner is dead: swept
+    remove_partial_checkpoint(mine)
     assert not _partials_left(tmp_path)
 
 

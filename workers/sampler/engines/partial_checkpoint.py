@@ -9,16 +9,22 @@ directory is loaded instead, never a guess.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from pipeline.keyframe import CONFIG_FILE, INDEX_FILE
 
 PARTIAL_PREFIX = ".engine-partial-"
+OWNER_FILE = ".owner"
+"""Locked by the process that made the copy (see `_hold`); not a safetensors file, so engines skip it."""
 """Name prefix of partial copies beside the versions (a dot: the version cache lists `v*` only)."""
 
 MAX_PARTIAL_FRACTION = 0.5
@@ -81,6 +87,7 @@ def write_partial_checkpoint(directory: Path, names: frozenset[str]) -> Path:
 
     sweep_partial_checkpoints(directory.parent)
     out = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=directory.parent))
+    _hold(out)
     try:
         weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
         by_shard: dict[str, list[str]] = {}
@@ -97,17 +104,44 @@ def write_partial_checkpoint(directory: Path, names: frozenset[str]) -> Path:
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
         shutil.copyfile(directory / CONFIG_FILE, out / CONFIG_FILE)
     except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
+        remove_partial_checkpoint(out)
         raise
     return out
 
 
 def remove_partial_checkpoint(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+    owner = _held.pop(path, None)
+    if owner is not None:
+        owner.close()
+
+
+_held: dict[Path, IO[bytes]] = {}
+"""The partial copies this process is writing or an engine is loading, each with its owner lock held."""
+
+
+def _hold(path: Path) -> None:
+    """Lock the copy's owner file for as long as this process uses it: islands of one view on one host
+    share a cache directory, and the lock (released by the kernel when a process dies) is how a
+    sweep tells another live island's copy from a killed one's."""
+    owner = open(path / OWNER_FILE, "wb")  # noqa: SIM115 - held open until the copy is removed
+    fcntl.flock(owner, fcntl.LOCK_EX)
+    _held[path] = owner
 
 
 def sweep_partial_checkpoints(parent: Path) -> None:
-    """Remove partial copies a killed process left behind. One island loads one version at a time
-    from its own cache directory, so any copy present when a new one is made is stale."""
+    """Remove partial copies that killed processes left behind: those whose owner lock nobody holds.
+    A copy still being made (no owner file yet) is left alone unless it is older than an hour."""
     for stale in parent.glob(f"{PARTIAL_PREFIX}*"):
-        shutil.rmtree(stale, ignore_errors=True)
+        if stale in _held:
+            continue
+        try:
+            with open(stale / OWNER_FILE, "rb") as owner:
+                fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(stale, ignore_errors=True)
+        except BlockingIOError:
+            continue  # another live island's copy
+        except FileNotFoundError:
+            with contextlib.suppress(OSError):
+                if time.time() - stale.stat().st_mtime > 3600:
+                    shutil.rmtree(stale, ignore_errors=True)
