@@ -10,11 +10,12 @@ Proportional to the patch: a version directory is a recyclable slot (`pipeline/v
 To build version N from a cached version that nobody serves (not `current`, not pinned by an engine),
 that directory is renamed to a staging name and the route's patches are written into its shards in
 place, at the changed positions only (`pipeline/shard_patch.py`, `pipeline/safetensors_layout.py`: the
-header does not move for a patch that keeps shapes and dtypes). Two directories then take turns (A/B): the one served, and the
-standby that catches up two versions at a time, reading the older patch from the local patch store
-(`pipeline/patch_store.py`) instead of downloading it again. Where the only start is protected, it is
-copied once (the second slot's creation). A keyframe start downloads its shards straight into the
-staging directory. A shard whose layout a patch changes is rewritten whole (the old path).
+header does not move for a patch that keeps shapes and dtypes). Two directories then take turns
+(A/B): the one served, and the standby that catches up two versions at a time, reading the older
+patch from the local patch store (`pipeline/patch_store.py`) instead of downloading it again. Where
+the only start is protected, it is copied once (the second slot's creation). A keyframe start
+downloads its shards straight into the staging directory. A shard whose layout a patch changes is
+rewritten whole (the old path).
 
 The planner minimizes cost in bytes: bytes to download, plus bytes to copy locally (a protected
 start, weighted by LOCAL_COPY_COST); a recycled start and a patch blob already on disk cost nothing.
@@ -23,7 +24,8 @@ Durability by verification, not fsync: nothing is fsynced (a killed process leav
 intact; power loss can tear pages, and so can a process killed mid-build, whose `.tmp-*` staging
 directory is never served and is removed by the next build). Instead a version directory is hashed
 against its event's digests the first time this process uses it, as a start or from the cache, and
-trusted afterwards while its manifest's `generation` is unchanged; a torn, tampered or half-applied
+trusted afterwards while its manifest's `generation` and its files' inode metadata (`directory_fingerprint`:
+a write into a file by anyone, a file replaced or linked, changes it) are unchanged; a torn, tampered or half-applied
 directory is logged as an error, removed and rebuilt, never served.
 
 Hashing only what changed: a patch's header names each tensor's base and target checksums. They are
@@ -91,6 +93,7 @@ from pipeline.version_slots import (
     claim,
     copy_version_files,
     directory_bytes,
+    directory_fingerprint,
     in_use,
     process_written_bytes,
     read_manifest,
@@ -272,8 +275,9 @@ class Materializer:
         """Verified events only: nothing else is ever planned with."""
         self._refused: dict[int, PolicyVersion] = {}
         self.patches = PatchStore(self.root)
-        self._trusted: dict[int, str] = {}
-        """Version -> manifest generation of directories this process built or hashed: not hashed again."""
+        self._trusted: dict[int, tuple[str, tuple]] = {}
+        """Version -> (manifest generation, `directory_fingerprint`) of directories this process built or
+        hashed: not hashed again while both are the same."""
         self._threads: ThreadPoolExecutor | None = None
 
     # ---------------------------------------------------------------- public
@@ -509,14 +513,22 @@ class Materializer:
         return False
 
     def _ensure_verified(self, version: int) -> bool:
-        """Hash a cached version against its event unless this process already did (same generation).
-        Returns whether it hashed; a directory that does not match is removed and `_EdgeFailed` raised
-        for it as a start (checked afresh on the next call, rebuilt meanwhile)."""
+        """Hash a cached version against its event unless this process already did (same generation, and
+        no file of it written, replaced or linked since). Returns whether it hashed; a directory that does
+        not match is removed and `_EdgeFailed` raised for it as a start (checked afresh on the next call,
+        rebuilt meanwhile)."""
         path = self.path_of(version)
         manifest = read_manifest(path) or {}
         generation = manifest.get("generation")
-        if generation is not None and self._trusted.get(version) == generation:
+        try:
+            # Taken before hashing: a write while the files are hashed shows as a change next time.
+            fingerprint = directory_fingerprint(path)
+        except OSError:
+            fingerprint = None  # gone or unreadable: `_directory_problem` says what
+        if generation is not None and self._trusted.get(version) == (generation, fingerprint):
             return False
+        if self._trusted.pop(version, None) is not None:
+            log.warning("a cached version changed since this process verified it: hashing it again", version=version)
         problem = self._directory_problem(path, self._view_of(self._events[version]))
         if problem is not None:
             log.error(
@@ -530,7 +542,7 @@ class Materializer:
             raise _EdgeFailed(None, ("cache", version), f"cached v{version} is damaged: {problem}")
         if generation is None:  # written before generations existed: give it one, to be trusted from now on
             generation = write_manifest(path, manifest)
-        self._trusted[version] = generation
+        self._trusted[version] = (generation, fingerprint)
         return True
 
     def _directory_problem(self, path: Path, entry: ViewVersion) -> str | None:
@@ -799,7 +811,7 @@ class Materializer:
         if final.exists():  # a directory under this name that is no usable version (no manifest, damaged)
             remove_directory(self.root, final, "trash")
         os.rename(build.staging, final)  # atomic: a version directory is complete or absent
-        self._trusted[version] = generation
+        self._trusted[version] = (generation, directory_fingerprint(final))
 
     def _pool(self) -> ThreadPoolExecutor:
         """Threads for a patch's groups (disjoint tensors): the codec's kernels release the GIL."""

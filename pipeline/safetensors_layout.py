@@ -7,10 +7,16 @@ keeps every tensor's dtype and shape can be applied into the file in place: map 
 tensor's byte range as unsigned bits (`pipeline.bits`), and let the codec write the changed
 positions. Loading the shard and serializing it again (what a version cost before) is not needed.
 
-The header is checked before anything is mapped: every range inside the file and sized by its dtype
-and shape. Tensors are normally aligned to their element size (the safetensors writers order them by
-alignment and pad the header); one that is not can still be read and hashed, but is not handed to the
-codec's kernels to patch in place (`TensorSpan.aligned`).
+The header is checked before anything is mapped: every range sized by its dtype and shape, and the
+ranges laid end to end from the header to the end of the file, as the safetensors library requires
+(a header whose tensors overlap could hash right while two tensors share bytes, and an in-place
+write into one would then change the other unseen). The file itself must be a plain file of its
+own: a shard that is a symlink, or a hard link another name shares, is refused, so an in-place
+write never lands in a file outside the directory being built.
+
+Tensors are normally aligned to their element size (the safetensors writers order them by alignment
+and pad the header); one that is not can still be read and hashed, but is not handed to the codec's
+kernels to patch in place (`TensorSpan.aligned`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import contextlib
 import json
 import math
 import mmap
+import os
+import stat
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,7 +83,7 @@ def read_layout(path: Path) -> ShardLayout:
     """The shard's tensors and where their bytes are; ShardLayoutError when the header cannot be trusted
     to describe the file (which is then never mapped)."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_plain_file(path, os.O_RDONLY), "rb") as f:
             size = f.seek(0, 2)
             f.seek(0)
             head = f.read(8)
@@ -97,7 +105,40 @@ def read_layout(path: Path) -> ShardLayout:
         if name == "__metadata__":
             continue
         tensors[name] = _span(path, name, info, data_start, size)
+    _check_tiling(path, tensors, data_start, size)
     return ShardLayout(path, tensors, size)
+
+
+def open_plain_file(path: Path, flags: int) -> int:
+    """A descriptor on `path` if it is a regular file no other name shares: not a symlink (O_NOFOLLOW),
+    not a hard link. ShardLayoutError otherwise (OSError as it comes when the file cannot be opened)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise ShardLayoutError(path, "it is a symlink (a shard must be a file of its own)") from exc
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        raise ShardLayoutError(
+            path,
+            f"not a plain file of its own (mode {oct(info.st_mode)}, {info.st_nlink} links): never written in place",
+        )
+    return fd
+
+
+def _check_tiling(path: Path, tensors: dict[str, TensorSpan], data_start: int, size: int) -> None:
+    """The tensors' ranges lie end to end from the data's start to the file's end (the safetensors
+    library's own rule): no byte belongs to two tensors, none to no tensor."""
+    position = data_start
+    for span in sorted(tensors.values(), key=lambda s: (s.begin, s.end)):
+        if span.begin != position:
+            what = "overlap" if span.begin < position else "leave a gap"
+            raise ShardLayoutError(path, f"tensors {what} at byte {min(span.begin, position)} (tensor {span.name!r})")
+        position = span.end
+    if position != size:
+        raise ShardLayoutError(path, f"the tensors end at byte {position}, the file at {size}")
 
 
 def _span(path: Path, name: str, info: object, data_start: int, size: int) -> TensorSpan:
@@ -129,7 +170,8 @@ class MappedShard:
         if layout.file_bytes == 0 or not layout.tensors:
             self.arrays = {name: np.zeros(0, dtype=bits_dtype(s.dtype)) for name, s in layout.tensors.items()}
             return
-        with open(layout.path, "r+b" if writable else "rb") as f:
+        flags = os.O_RDWR if writable else os.O_RDONLY
+        with os.fdopen(open_plain_file(layout.path, flags), "r+b" if writable else "rb") as f:
             access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
             self._map = mmap.mmap(f.fileno(), 0, access=access)
         whole = np.frombuffer(self._map, dtype=np.uint8)

@@ -113,6 +113,21 @@ def write_manifest(directory: Path, fields: dict) -> str:
     return generation
 
 
+def directory_fingerprint(directory: Path) -> tuple:
+    """What the directory's files are now, by their inodes' metadata (not their bytes): name, inode,
+    size, mtime and ctime of each (not followed through symlinks). A write into a file (by write() or
+    through a mapping), a file replaced or linked, all change it; ctime cannot be set back from user
+    space. A process trusts a directory it hashed only while this, and the manifest's generation, stay
+    the same. Cheap: a stat per file."""
+    entries = []
+    for entry in os.scandir(directory):
+        if entry.name == MANIFEST_FILE or entry.name.startswith("."):
+            continue  # the manifest has its generation; dot files are pins and temporaries
+        info = entry.stat(follow_symlinks=False)
+        entries.append((entry.name, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns))
+    return tuple(sorted(entries))
+
+
 def directory_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
 

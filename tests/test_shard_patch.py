@@ -6,7 +6,9 @@ nothing written."""
 from __future__ import annotations
 
 import json
+import os
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +121,28 @@ def _file(header: object, data: bytes = b"", *, length: int | None = None) -> by
         (_file({"t": {"dtype": "Q7", "shape": [4], "data_offsets": [0, 8]}}, b"\0" * 8), "malformed entry"),
         (_file({"t": {"dtype": "BF16", "shape": [-4], "data_offsets": [0, 8]}}, b"\0" * 8), "do not hold"),
         (_file({"t": {"dtype": "BF16", "shape": [4]}}, b"\0" * 8), "malformed entry"),
+        # two tensors sharing bytes: a write into one would change the other unseen
+        (
+            _file(
+                {
+                    "t": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]},
+                    "u": {"dtype": "BF16", "shape": [2], "data_offsets": [4, 8]},
+                },
+                b"\0" * 8,
+            ),
+            "overlap",
+        ),
+        (
+            _file(
+                {
+                    "t": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]},
+                    "u": {"dtype": "BF16", "shape": [2], "data_offsets": [6, 10]},
+                },
+                b"\0" * 10,
+            ),
+            "leave a gap",
+        ),
+        (_file({"t": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 8), "the file at"),
     ],
 )
 def test_a_header_that_does_not_describe_its_file_is_refused(tmp_path, content, says):
@@ -126,6 +150,25 @@ def test_a_header_that_does_not_describe_its_file_is_refused(tmp_path, content, 
     path.write_bytes(content)
     with pytest.raises(ShardLayoutError, match=says):
         read_layout(path)
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_a_shard_that_is_a_link_is_neither_read_nor_mapped(tmp_path, link):
+    """An in-place write through a link would land in a file outside the directory being built."""
+    real = _shard(tmp_path, _tensors())
+    layout = read_layout(real)
+    shard = tmp_path / "linked.safetensors"
+    if link == "symlink":
+        shard.symlink_to(real)
+    else:
+        os.link(real, shard)
+    with pytest.raises(ShardLayoutError, match="symlink" if link == "symlink" else "2 links"):
+        read_layout(shard)
+    before = real.read_bytes()
+    # even with a layout read before the link was made
+    with pytest.raises(ShardLayoutError), mapped_tensors(replace(layout, path=shard), writable=True):
+        pass
+    assert real.read_bytes() == before
 
 
 def test_an_unaligned_tensor_is_read_and_hashed_but_not_patched_in_place(tmp_path):
