@@ -59,7 +59,10 @@ def _best(fn) -> float:
     return min(times)
 
 
-def _entropy_bytes(base: dict[str, TensorBits], target: dict[str, TensorBits]) -> float:
+def _bound_bytes(base: dict[str, TensorBits], target: dict[str, TensorBits], symbols) -> float:
+    """An entropy bound on a patch: per tensor, the changed positions at the observed density
+    (n·H2(k/n)) plus the order-0 entropy of `symbols(old, new)`, the changed values as some code sees
+    them."""
     bits = 0.0
     for name, tgt in target.items():
         b, t = base[name].bits, tgt.bits
@@ -71,7 +74,7 @@ def _entropy_bytes(base: dict[str, TensorBits], target: dict[str, TensorBits]) -
         p = k / n
         if 0 < p < 1:
             bits += n * -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
-        _, counts = np.unique(b[changed] ^ t[changed], return_counts=True)
+        _, counts = np.unique(symbols(b[changed], t[changed]), return_counts=True)
         probs = counts / counts.sum()
         bits += k * float(-(probs * np.log2(probs)).sum())
     return bits / 8
@@ -85,26 +88,23 @@ def _ordered(bits: np.ndarray) -> np.ndarray:
     return wide ^ ((np.uint64(0) - (wide >> np.uint64(width - 1))) & magnitude)
 
 
+def _ulp_distance(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """The signed ULP distance, as a w-bit pattern (a bijection of it)."""
+    width = new.dtype.itemsize * 8
+    distance = _ordered(new) - _ordered(old)  # modulo 2**64 ...
+    if width < 64:
+        distance &= np.uint64((1 << width) - 1)  # ... and modulo 2**width
+    return distance
+
+
+def _entropy_bytes(base: dict[str, TensorBits], target: dict[str, TensorBits]) -> float:
+    """The XOR bound: order-0 entropy of the changed values' XOR with the base."""
+    return _bound_bytes(base, target, np.bitwise_xor)
+
+
 def _ulp_entropy_bytes(base: dict[str, TensorBits], target: dict[str, TensorBits]) -> float:
-    bits = 0.0
-    for name, tgt in target.items():
-        b, t = base[name].bits, tgt.bits
-        n = len(t)
-        changed = np.flatnonzero(b != t)
-        k = len(changed)
-        if n == 0 or k == 0:
-            continue
-        p = k / n
-        if 0 < p < 1:
-            bits += n * -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
-        width = t.dtype.itemsize * 8
-        distance = _ordered(t[changed]) - _ordered(b[changed])  # modulo 2**64 ...
-        if width < 64:
-            distance &= np.uint64((1 << width) - 1)  # ... and modulo 2**width: a bijection of the signed distance
-        _, counts = np.unique(distance, return_counts=True)
-        probs = counts / counts.sum()
-        bits += k * float(-(probs * np.log2(probs)).sum())
-    return bits / 8
+    """The ULP bound: order-0 entropy of the signed ULP distances (10-13% below the XOR bound on Adam data)."""
+    return _bound_bytes(base, target, _ulp_distance)
 
 
 def _memcpy_seconds(target: dict[str, TensorBits]) -> float:
