@@ -117,6 +117,19 @@ class MaterializeError(SprawlError):
     pass
 
 
+class LocalDiskError(MaterializeError):
+    """Writing or reading the cache on local disk failed (a full disk, a file size limit, permissions):
+    the build is dropped, the version served is untouched, and the caller retries later."""
+
+    def __init__(self, version: int, root: Path, error: OSError):
+        self.version, self.error = version, error
+        super().__init__(
+            f"building version {version} failed on local disk under {root}: {error}",
+            hint="check the free space and permissions of `materialize.cache_dir` (fewer `keep_versions` "
+            "needs less room); the version served is untouched and the build is retried",
+        )
+
+
 class VersionUnbuildable(MaterializeError):
     """No route to the wanted version works now (and, for `materialize_newest`, none to any version
     newer than the one served). Not final: set-aside parts are retried after their backoff."""
@@ -606,22 +619,27 @@ class Materializer:
         clock = _Phases()
         # Every blob first, and every shard covered: a corrupt, missing or incomplete patch fails here,
         # before any slot is taken apart.
-        self._check_coverage(start, edges)
-        fetched = self._fetch_patches(edges)
-        clock.lap("fetch")
-        build = self._stage(version, start, local)
-        build.fetched += fetched
-        clock.lap("stage")
         try:
-            self._apply_route(build, edges)
-            clock.lap("apply")
-            self._finish(build, version, edges)
-            clock.lap("finish")
-        except BaseException:
-            # Cleanup, then re-raise whatever it was (a failed edge, an outage, a cancellation): a
-            # half-built staging directory must not outlive any failure. Nothing is swallowed here.
-            shutil.rmtree(build.staging, ignore_errors=True)
-            raise
+            self._check_coverage(start, edges)
+            fetched = self._fetch_patches(edges)
+            clock.lap("fetch")
+            build = self._stage(version, start, local)
+            build.fetched += fetched
+            clock.lap("stage")
+            try:
+                self._apply_route(build, edges)
+                clock.lap("apply")
+                self._finish(build, version, edges)
+                clock.lap("finish")
+            except BaseException:
+                # Cleanup, then re-raise whatever it was (a failed edge, an outage, a cancellation): a
+                # half-built staging directory must not outlive any failure. Nothing is swallowed here.
+                shutil.rmtree(build.staging, ignore_errors=True)
+                raise
+        except OSError as exc:
+            # Not the route's fault (nothing is set aside): the disk's. Said as such, with what to do.
+            log.error("building a version failed on local disk", version=version, error=repr(exc))
+            raise LocalDiskError(version, self.root, exc) from exc
         written_after = process_written_bytes()
         if written_before is not None and written_after is not None:
             written = written_after - written_before

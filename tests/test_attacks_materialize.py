@@ -5,20 +5,26 @@ built. Each served directory is checked with `verify_directory` (the safetensors
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
 import os
+import resource
 import shutil
+import signal
 import struct
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline.materialize import verify_directory
+from pipeline.materialize import MaterializeError, verify_directory
 from pipeline.safetensors_layout import ShardLayoutError, read_layout
+from pipeline.version_slots import IN_USE_FILE, in_use
 from tests.chain_helpers import materializer
-from tests.test_materialize_in_place import Chain, _files
+from tests.servers import HANG_GUARD_S
+from tests.test_materialize_in_place import Chain, _files, _proc, _report
 
 pytestmark = pytest.mark.integration
 
@@ -138,3 +144,77 @@ async def test_bits_changed_under_a_trusted_slot_are_hashed_again_not_trusted(ev
 
     got = await follower.materialize(2)
     assert got.root_hash == chain.roots[2] == verify_directory(got.path)
+
+
+async def test_a_pin_left_by_a_killed_process_does_not_keep_its_slot(event_log, settings, tmp_path):
+    chain = Chain(event_log, settings, keyframe_every=100)
+    await chain.publish_to(3)
+    cache = tmp_path / "shared"
+    ours = materializer(event_log, settings, cache)
+    await ours.materialize(0)
+
+    holder = await _proc(settings, cache, 1, "--pin")  # another process's engine serves v1 ...
+    try:
+        pinned = Path((await _report(holder))["path"])
+        assert in_use(pinned)
+    finally:
+        holder.send_signal(signal.SIGKILL)  # ... and dies without releasing it
+        await asyncio.wait_for(holder.wait(), HANG_GUARD_S)
+    assert (pinned / IN_USE_FILE).exists() and not in_use(pinned)  # the file stays, the lock died with it
+    await ours.materialize(2)
+    got = await ours.materialize(3)
+    assert got.slot == "recycled v1" and got.root_hash == chain.roots[3] == verify_directory(got.path)
+
+
+async def test_one_kept_version_copies_the_served_one_and_never_touches_it(event_log, settings, tmp_path):
+    chain = Chain(event_log, settings, keyframe_every=100)
+    await chain.publish_to(4)
+    follower = materializer(event_log, settings, tmp_path / "cache", keep_versions=1)
+    for v in range(3):  # the one served is the only start: copied, then collected once v is served
+        got = await follower.materialize(v)
+        assert got.root_hash == chain.roots[v] == verify_directory(got.path)
+        assert got.slot == (f"copy of v{v - 1}" if v else "new") and follower.cached_versions() == [v]
+
+    # As an island uses it (the version served stays pinned until the next one is loaded), the one
+    # released after the last collection is still there as a standby: recycled, the served one copied never.
+    previous = await follower.materialize(2, pin=True)
+    for v in (3, 4):
+        before = _files(previous.path)
+        got = await follower.materialize(v, pin=True)
+        assert got.root_hash == chain.roots[v] == verify_directory(got.path)
+        assert got.slot in (f"copy of v{v - 1}", f"recycled v{v - 2}") and _files(previous.path) == before
+        previous.release()
+        previous = got
+    previous.release()
+
+
+@contextlib.contextmanager
+def _file_size_limit(limit: int):
+    """Writes past `limit` bytes into any file fail with EFBIG (a full disk, as this process sees it)."""
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+async def test_a_disk_that_fills_during_a_copy_ends_in_a_clear_error_and_the_served_version_intact(
+    event_log, settings, tmp_path
+):
+    chain = Chain(event_log, settings, keyframe_every=100)
+    await chain.publish_to(2)
+    follower = materializer(event_log, settings, tmp_path / "cache")
+    standby = await follower.materialize(0, pin=True)  # pinned: v2 can only start from a copy of v1
+    await follower.materialize(1)
+    served = _files(follower.path_of(1))
+    with _file_size_limit(64 * 1024), pytest.raises(MaterializeError, match="local disk") as failed:
+        await follower.materialize(2)
+    assert "File too large" in str(failed.value) and failed.value.hint
+    assert follower.current() == follower.path_of(1) and _files(follower.path_of(1)) == served
+    assert follower.cached_versions() == [0, 1] and not list(follower.root.glob(".tmp-*"))
+    got = await follower.materialize(2)  # room again: built
+    assert got.slot == "copy of v1" and got.root_hash == chain.roots[2] == verify_directory(got.path)
+    standby.release()
