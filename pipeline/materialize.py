@@ -566,6 +566,9 @@ class Materializer:
             weight_map = read_weight_map(path)
             if set(weight_map) != set(expected):
                 return f"its index names {sorted(set(weight_map) ^ set(expected))[:3]} unexpectedly"
+            problem = _shard_names_problem(set(weight_map.values()))
+            if problem is not None:
+                return problem
             for shard in sorted(set(weight_map.values())):
                 layout = read_layout(path / shard)
                 problem = _layout_problem(layout, weight_map, expected)
@@ -685,6 +688,14 @@ class Materializer:
                 shards = set(read_weight_map(self.path_of(version)).values())
             except (OSError, ValueError, KeyError) as exc:
                 raise _EdgeFailed(None, start, f"cached v{version} has no readable index ({exc})") from exc
+            problem = _shard_names_problem(shards)
+            if problem is not None:  # the cache entry's fault, not the (signed) patches'
+                log.error(
+                    "cached version's index is not its own: removed, never used", version=version, problem=problem
+                )
+                remove_directory(self.root, self.path_of(version), "damaged")
+                self._trusted.pop(version, None)
+                raise _EdgeFailed(None, start, f"cached v{version} is damaged: {problem}")
         for edge in edges:
             missing = shards - {b.name for b in edge.blobs}
             if missing:
@@ -761,6 +772,7 @@ class Materializer:
             try:
                 header, payload = patch_codec.read_header(self.patches.read(blob))
             except patch_codec.PatchFormatError as exc:
+                self.patches.forget(blob)
                 raise _EdgeFailed(edge, None, f"patch {blob.uri} is unreadable: {exc.message}", blob.uri) from exc
             wanted = {t.name: t.xxh3 for t in self._view_of(self._events[edge.target]).tensors}
             steps.append(PatchStep(label, header, payload, wanted))
@@ -777,9 +789,11 @@ class Materializer:
                 raise _EdgeFailed(
                     None, build.start, f"cached v{build.start[1]} gave wrong bits for {exc.tensor}: {exc.message}"
                 ) from exc
+            self.patches.forget(blob)
             raise _EdgeFailed(edge, None, exc.message, blob.uri) from exc
         except StepFailed as exc:
             edge, blob = patches[exc.step]
+            self.patches.forget(blob)  # the local copy may be what is wrong: never applied again as it is
             raise _EdgeFailed(edge, None, exc.message, blob.uri) from exc
         build.suspect -= patched.changed
         build.written_estimate += patched.touched_bytes
@@ -932,6 +946,13 @@ class _Build:
     fetched: int = 0
     written_estimate: int = 0
     """Bytes written, counted by us: reported only where the kernel does not count them."""
+
+
+def _shard_names_problem(shards: set[str]) -> str | None:
+    """An index may only name files of its own directory: a shard named `../v7/...` would be hashed, and
+    patched in place, in another version's directory."""
+    outside = sorted(s for s in shards if not isinstance(s, str) or Path(s).name != s or s.startswith("."))
+    return f"its index names shards outside its directory ({outside[:3]})" if outside else None
 
 
 def _layout_problem(layout: ShardLayout, weight_map: dict[str, str], expected: dict) -> str | None:

@@ -218,3 +218,63 @@ async def test_a_disk_that_fills_during_a_copy_ends_in_a_clear_error_and_the_ser
     got = await follower.materialize(2)  # room again: built
     assert got.slot == "copy of v1" and got.root_hash == chain.roots[2] == verify_directory(got.path)
     standby.release()
+
+
+async def test_a_stored_patch_rewritten_with_its_mtime_restored_is_hashed_again(event_log, settings, tmp_path):
+    chain = Chain(event_log, settings, keyframe_every=100)
+    await chain.publish_to(2)
+    follower = materializer(event_log, settings, tmp_path / "cache")
+    for v in range(2):
+        await follower.materialize(v)  # the patch to v1 is in the store, written (so trusted) by this process
+    [blob] = follower.view_entry(chain.events[1]).blobs
+    stored = follower.patches.path(blob)
+    info = stored.stat()
+    data = bytearray(stored.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    stored.write_bytes(bytes(data))  # same size, same inode ...
+    os.utime(stored, ns=(info.st_atime_ns, info.st_mtime_ns))  # ... and the mtime put back
+
+    got = await follower.materialize(2)
+    # hashed before the standby slot was taken apart: downloaded again, and the slot used as planned
+    assert got.slot == "recycled v0" and got.root_hash == chain.roots[2] == verify_directory(got.path)
+
+
+async def test_current_pointing_outside_the_cache_is_never_written_through(event_log, settings, tmp_path):
+    chain = Chain(event_log, settings, keyframe_every=100)
+    await chain.publish_to(2)
+    follower = materializer(event_log, settings, tmp_path / "cache")
+    for v in range(2):
+        await follower.materialize(v)
+    outside = tmp_path / "outside" / "v00000001"
+    shutil.copytree(follower.path_of(1), outside)
+    before = _files(outside)
+    link = follower.root / "current"
+    link.unlink()
+    link.symlink_to(outside)
+
+    got = await follower.materialize(2)
+    assert got.root_hash == chain.roots[2] == verify_directory(got.path)
+    assert follower.current() == follower.path_of(2) and _files(outside) == before
+
+
+async def test_an_index_naming_a_shard_outside_its_directory_is_a_damaged_cache_entry(event_log, settings, tmp_path):
+    # v1 has v0's bits: v0's index pointing at v1's shard still hashes to v0.
+    chain = Chain(event_log, settings, keyframe_every=100)
+    await chain.publish_to(1, _no_change)
+    await chain.publish_to(2)
+    cache = tmp_path / "cache"
+    builder = materializer(event_log, settings, cache)
+    for v in range(2):
+        await builder.materialize(v)
+    index = builder.path_of(0) / "model.safetensors.index.json"
+    content = json.loads(index.read_text())
+    content["weight_map"] = {n: f"../{builder.path_of(1).name}/{s}" for n, s in content["weight_map"].items()}
+    index.write_text(json.dumps(content))
+    served = _files(builder.path_of(1))
+
+    restarted = materializer(event_log, settings, cache)
+    got = await restarted.materialize(2)
+    assert got.root_hash == chain.roots[2] == verify_directory(got.path)
+    assert _files(builder.path_of(1)) == served
+    # the cache entry is what is wrong, not the signed patch to v1: that stays usable
+    assert restarted.failures.usable(("patch", 0, 1))
