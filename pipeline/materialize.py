@@ -304,7 +304,9 @@ class Materializer:
         return self._view_of(event)
 
     def cached_versions(self) -> list[int]:
-        return sorted(int(p.name[1:]) for p in self.root.glob("v*") if (p / MANIFEST_FILE).exists())
+        return sorted(
+            int(p.name[1:]) for p in self.root.glob("v*") if p.name[1:].isdigit() and (p / MANIFEST_FILE).exists()
+        )
 
     def path_of(self, version: int) -> Path:
         return self.root / f"v{version:08d}"
@@ -887,6 +889,12 @@ class Materializer:
     def _collect_garbage(self, keep_also: int) -> None:
         """Versions beyond `keep_versions` (never `current`, the one just built, or one pinned by an
         engine), and patch blobs no kept version can use any more."""
+        for path in self.root.glob("v*"):
+            # A version directory without a manifest is no version (a power loss kept the rename but lost
+            # the manifest): nothing plans with it, so nothing else would ever remove it.
+            if path.name[1:].isdigit() and read_manifest(path) is None and path.is_dir() and not in_use(path):
+                log.warning("removing a version directory that has no manifest", path=str(path))
+                remove_directory(self.root, path, "damaged")
         versions = self.cached_versions()
         keep = set(versions[-self.settings.keep_versions :]) | {keep_also, self._current_version()}
         for v in versions:

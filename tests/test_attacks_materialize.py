@@ -21,7 +21,7 @@ import torch
 
 from pipeline.materialize import MaterializeError, verify_directory
 from pipeline.safetensors_layout import ShardLayoutError, read_layout
-from pipeline.version_slots import IN_USE_FILE, in_use
+from pipeline.version_slots import IN_USE_FILE, MANIFEST_FILE, in_use
 from tests.chain_helpers import materializer
 from tests.servers import HANG_GUARD_S
 from tests.test_materialize_in_place import Chain, _files, _proc, _report
@@ -278,3 +278,21 @@ async def test_an_index_naming_a_shard_outside_its_directory_is_a_damaged_cache_
     assert _files(builder.path_of(1)) == served
     # the cache entry is what is wrong, not the signed patch to v1: that stays usable
     assert restarted.failures.usable(("patch", 0, 1))
+
+
+async def test_a_version_directory_whose_manifest_was_torn_is_collected_not_left_to_fill_the_disk(
+    event_log, settings, tmp_path
+):
+    chain = Chain(event_log, settings, keyframe_every=100)
+    await chain.publish_to(3)
+    cache = tmp_path / "cache"
+    builder = materializer(event_log, settings, cache)
+    for v in range(2):
+        await builder.materialize(v)
+    (builder.path_of(0) / MANIFEST_FILE).unlink()  # lost to a power loss: no version any more
+
+    restarted = materializer(event_log, settings, cache)
+    for v in (2, 3):
+        got = await restarted.materialize(v)
+        assert got.root_hash == chain.roots[v] == verify_directory(got.path)
+    assert sorted(p.name for p in restarted.root.glob("v*")) == [f"v{v:08d}" for v in (2, 3)]
