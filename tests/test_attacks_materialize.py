@@ -290,9 +290,12 @@ async def test_a_version_directory_whose_manifest_was_torn_is_collected_not_left
     for v in range(2):
         await builder.materialize(v)
     (builder.path_of(0) / MANIFEST_FILE).unlink()  # lost to a power loss: no version any more
+    stray = builder.root / "vintage"  # not a version's name, manifest or not: never parsed as one
+    stray.mkdir()
+    (stray / MANIFEST_FILE).write_text("{}")
 
     restarted = materializer(event_log, settings, cache)
     for v in (2, 3):
         got = await restarted.materialize(v)
         assert got.root_hash == chain.roots[v] == verify_directory(got.path)
-    assert sorted(p.name for p in restarted.root.glob("v*")) == [f"v{v:08d}" for v in (2, 3)]
+    assert sorted(p.name for p in restarted.root.glob("v0*")) == [f"v{v:08d}" for v in (2, 3)]
