@@ -299,3 +299,24 @@ async def test_a_version_directory_whose_manifest_was_torn_is_collected_not_left
         got = await restarted.materialize(v)
         assert got.root_hash == chain.roots[v] == verify_directory(got.path)
     assert sorted(p.name for p in restarted.root.glob("v0*")) == [f"v{v:08d}" for v in (2, 3)]
+
+
+async def test_two_processes_building_the_same_version_at_once_share_one_build(event_log, settings, tmp_path):
+    chain = Chain(event_log, settings, keyframe_every=100)
+    await chain.publish_to(3)
+    cache = tmp_path / "shared"
+    ours = materializer(event_log, settings, cache)
+    for v in range(3):
+        await ours.materialize(v)
+    served = _files(ours.path_of(2))
+
+    procs = [await _proc(settings, cache, 3) for _ in range(2)]
+    try:
+        reports = [await _report(proc) for proc in procs]
+    finally:
+        for proc in procs:
+            await asyncio.wait_for(proc.wait(), HANG_GUARD_S)
+    assert [r["root_hash"] for r in reports] == [chain.roots[3]] * 2
+    assert "cache:v3" in [r["route"] for r in reports]  # the second waited for the first's build
+    assert verify_directory(ours.path_of(3)) == chain.roots[3] and _files(ours.path_of(2)) == served
+    assert not list(ours.root.glob(".tmp-*"))
