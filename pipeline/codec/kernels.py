@@ -163,21 +163,6 @@ def diff(
 
 
 @njit(nogil=True, cache=True)
-def value_histograms(old: np.ndarray, new: np.ndarray, width: int, stride: int) -> np.ndarray:
-    """hist[transform, plane, byte] over every `stride`-th changed value, for choosing a transform."""
-    full, sign_shift, magnitude = _masks(width)
-    hist = np.zeros((TRANSFORMS, width, 256), dtype=np.int64)
-    for i in range(0, old.shape[0], stride):
-        o = _U64(old[i])
-        w = _U64(new[i])
-        for kind in range(TRANSFORMS):
-            v = _forward(kind, o, w, full, sign_shift, magnitude)
-            for p in range(width):
-                hist[kind, p, (v >> _U64(8 * p)) & _BYTE] += 1
-    return hist
-
-
-@njit(nogil=True, cache=True)
 def dense_histograms(base: np.ndarray, target: np.ndarray, width: int, stride: int, hist: np.ndarray) -> None:
     """Add every `stride`-th element's value under every transform (0 where unchanged, for xor and
     ulp) to hist[transform, plane, byte]."""
@@ -189,6 +174,14 @@ def dense_histograms(base: np.ndarray, target: np.ndarray, width: int, stride: i
             v = _forward(kind, o, w, full, sign_shift, magnitude)
             for p in range(width):
                 hist[kind, p, (v >> _U64(8 * p)) & _BYTE] += 1
+
+
+@njit(nogil=True, cache=True)
+def value_histograms(old: np.ndarray, new: np.ndarray, width: int, stride: int) -> np.ndarray:
+    """hist[transform, plane, byte] over every `stride`-th changed value, for choosing a transform."""
+    hist = np.zeros((TRANSFORMS, width, 256), dtype=np.int64)
+    dense_histograms(old, new, width, stride, hist)  # the same count, over the changed values only
+    return hist
 
 
 @njit(nogil=True, cache=True)
