@@ -49,6 +49,21 @@ def _with_chunk(patch: bytes, **changes) -> bytes:
     return _rebuild(patch, msgspec.structs.replace(header, groups=[group, *header.groups[1:]]))
 
 
+def _with_header_frame(patch: bytes, frame: bytes) -> bytes:
+    """`patch` with its header replaced by `frame` as it is (raw bytes a forger wrote, canonical or not)."""
+    _, payload = patch_codec.read_header(patch)
+    return struct.pack("<8sHI", patch_codec.MAGIC, patch_codec.FORMAT_VERSION, len(frame)) + frame + bytes(payload)
+
+
+def _with_record(patch: bytes, record: bytes) -> bytes:
+    """A one-chunk patch whose only chunk record is `record` (the whole payload)."""
+    header, _ = patch_codec.read_header(patch)
+    (group,) = header.groups
+    chunk = msgspec.structs.replace(group.chunks[0], offset=0, size=len(record))
+    group = msgspec.structs.replace(group, chunks=[chunk])
+    return _rebuild(patch, msgspec.structs.replace(header, groups=[group], payload_bytes=len(record)), record)
+
+
 def _round_trip(base: dict, target: dict, **kwargs) -> bytes:
     patch = patch_codec.encode(base, target, **kwargs)
     out = patch_codec.apply(patch, base)
@@ -378,17 +393,7 @@ def test_forged_chunk_records_are_refused(record):
     target = base.copy()
     target[[1, 5, 9, 13]] += 1
     base_d, target_d = _pair(base, target)
-    patch = patch_codec.encode(base_d, target_d)
-    header, _ = patch_codec.read_header(patch)
-    (group,) = header.groups
-    chunk = msgspec.structs.replace(group.chunks[0], offset=0, size=len(record))
-    forged = _rebuild(
-        patch,
-        msgspec.structs.replace(
-            header, groups=[msgspec.structs.replace(group, chunks=[chunk])], payload_bytes=len(record)
-        ),
-        record,
-    )
+    forged = _with_record(patch_codec.encode(base_d, target_d), record)
     with pytest.raises(PatchFormatError):
         patch_codec.apply(forged, base_d)
 
@@ -463,10 +468,9 @@ def test_bytes_after_a_zstd_frame_are_refused():
     target = (np.arange(4096) % 251).astype(np.uint16)  # every element changes: a dense chunk
     base_d, target_d = _pair(base, target)
     patch = patch_codec.encode(base_d, target_d)
-    header, payload = patch_codec.read_header(patch)
+    header, _ = patch_codec.read_header(patch)
     # the header frame with a byte after it
-    body = zstandard.ZstdCompressor().compress(msgspec.msgpack.encode(header)) + b"\x00"
-    forged = struct.pack("<8sHI", patch_codec.MAGIC, patch_codec.FORMAT_VERSION, len(body)) + body + bytes(payload)
+    forged = _with_header_frame(patch, zstandard.ZstdCompressor().compress(msgspec.msgpack.encode(header)) + b"\x00")
     with pytest.raises(PatchFormatError, match="followed by other bytes"):
         patch_codec.read_header(forged)
     # a dense zstd stream with a byte after its frame
@@ -476,31 +480,14 @@ def test_bytes_after_a_zstd_frame_are_refused():
         struct.pack("<BII", 3, n, len(frame)) + frame
         for frame in (zstandard.ZstdCompressor().compress(plane) + b"\x07" for plane in planes)
     )
-    record = bytes([2, 2]) + streams  # dense, raw values
-    (group,) = header.groups
-    chunk = msgspec.structs.replace(group.chunks[0], offset=0, size=len(record))
-    forged = _rebuild(
-        patch,
-        msgspec.structs.replace(
-            header, groups=[msgspec.structs.replace(group, chunks=[chunk])], payload_bytes=len(record)
-        ),
-        record,
-    )
+    forged = _with_record(patch, bytes([2, 2]) + streams)  # dense, raw values
     with pytest.raises(PatchFormatError):
         patch_codec.apply(forged, base_d)
     # the same record without the stray bytes is a valid patch: what was refused was only the extra byte
     clean = b"".join(
         struct.pack("<BII", 3, n, len(f)) + f for f in (zstandard.ZstdCompressor().compress(p) for p in planes)
     )
-    record = bytes([2, 2]) + clean
-    chunk = msgspec.structs.replace(group.chunks[0], offset=0, size=len(record))
-    valid = _rebuild(
-        patch,
-        msgspec.structs.replace(
-            header, groups=[msgspec.structs.replace(group, chunks=[chunk])], payload_bytes=len(record)
-        ),
-        record,
-    )
+    valid = _with_record(patch, bytes([2, 2]) + clean)
     assert np.array_equal(patch_codec.apply(valid, base_d)["w"].bits, target)
 
 
@@ -542,25 +529,23 @@ def test_empty_new_tensors_round_trip():
 )
 def test_non_canonical_headers_are_refused(sample, edit):
     base, _, patch = sample
-    header, payload = patch_codec.read_header(patch)
+    header, _ = patch_codec.read_header(patch)
     raw = msgspec.msgpack.encode(header)
     forged_raw = edit(raw)
     assert forged_raw != raw
-    body = zstandard.ZstdCompressor().compress(forged_raw)
-    forged = struct.pack("<8sHI", patch_codec.MAGIC, patch_codec.FORMAT_VERSION, len(body)) + body + bytes(payload)
+    forged = _with_header_frame(patch, zstandard.ZstdCompressor().compress(forged_raw))
     with pytest.raises(PatchFormatError):
         patch_codec.apply(forged, base)
 
 
 def test_a_chunk_entry_with_an_extra_item_is_refused(sample):
     base, _, patch = sample
-    header, payload = patch_codec.read_header(patch)
+    header, _ = patch_codec.read_header(patch)
     raw = msgspec.msgpack.encode(header)
     chunk = header.groups[0].chunks[0]
     entry = msgspec.msgpack.encode([chunk.start, chunk.length, chunk.changed, chunk.offset, chunk.size])
     extended = b"\x96" + entry[1:] + b"\x00"
     assert raw.count(entry) == 1
-    body = zstandard.ZstdCompressor().compress(raw.replace(entry, extended))
-    forged = struct.pack("<8sHI", patch_codec.MAGIC, patch_codec.FORMAT_VERSION, len(body)) + body + bytes(payload)
+    forged = _with_header_frame(patch, zstandard.ZstdCompressor().compress(raw.replace(entry, extended)))
     with pytest.raises(PatchFormatError, match="canonical"):
         patch_codec.apply(forged, base)
