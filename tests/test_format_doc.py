@@ -30,6 +30,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.format_reader.patch_reader import WIDTHS
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md"
 
 
@@ -55,20 +57,7 @@ class DocRefusal(Exception):
     """What the page says a reader must refuse."""
 
 
-ELEMENT_BYTES = {  # section 4
-    "BF16": 2,
-    "F16": 2,
-    "F32": 4,
-    "F64": 8,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I8": 1,
-    "U8": 1,
-    "I16": 2,
-    "I32": 4,
-    "I64": 8,
-    "BOOL": 1,
-}
+ELEMENT_BYTES = WIDTHS  # section 4: one table for both readers written from the page
 
 
 def parse_hexdump(text: str) -> bytes:
