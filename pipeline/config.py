@@ -142,6 +142,10 @@ class S3BlobSettings(Section):
     """Timeout to open a connection to the endpoint."""
     read_timeout_s: float = Field(60.0, gt=0)
     """Timeout of a read on an open connection."""
+    outage_patience_s: float = Field(120.0, ge=0)
+    """How long a write waits out an unavailable store (refused, timed out, throttled), retrying with
+    backoff from 1 s to 10 s, before it fails: a publish, a checkpoint or a claim-checked append rides
+    out a store restart instead of stopping the worker. 0: fail after one attempt's `max_attempts`."""
     ca_file: Path | None = None
     """CA certificate (PEM) to verify an https endpoint with (the local stack's own CA, whose server
     certificate lists the addresses islands use); None: the system's trust store."""

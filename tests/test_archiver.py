@@ -39,6 +39,7 @@ from schemas.codec import encode_event
 from schemas.events import CURRENT_EVENTS
 from tests.servers import HANG_GUARD_S, connection_env, new_run_id, server_stopped
 from workers.archiver import Archiver, ArchiverSettings, ArchiveSection, drain_once
+from workers.archiver.process import open_archive_store
 from workers.archiver.progress import ArchivedSeqs
 from workers.archiver.rows import archive_files
 from workers.archiver.stream import StreamArchiver
@@ -286,7 +287,7 @@ async def test_an_s3_outage_during_a_flush_acks_nothing_unwritten_and_resumes(ev
         retry_first_s=0.1,
         retry_max_s=0.5,
     )
-    archiver = Archiver(archiver_settings, event_log, open_blob_store(archiver_settings.blobs))
+    archiver = Archiver(archiver_settings, event_log, open_archive_store(archiver_settings))
     stop = asyncio.Event()
     task = asyncio.create_task(archiver.run(stop))
     try:

@@ -4,7 +4,8 @@ Besides the checksum recorded in the object's metadata, it sends the SHA-256 wit
 the upload (`x-amz-checksum-sha256`), so the server refuses a body that was
 corrupted in flight. Every botocore failure leaves as a typed BlobStoreError:
 absent key or bucket, refused credentials, or, for an endpoint that did not
-answer, timed out or throttled, `BlobStoreUnavailable`, which is transient.
+answer, timed out or throttled, `BlobStoreUnavailable`, which is transient. Writes
+wait out such an outage for `outage_patience_s` before they raise it (`outage.py`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import urlparse
@@ -30,6 +31,7 @@ from pipeline.blobstore import (
     stream_to_file,
     verify_checksum,
 )
+from pipeline.blobstore.outage import ride_out_outage
 from pipeline.config import S3BlobSettings
 from pipeline.errors import (
     BlobAccessDenied,
@@ -152,12 +154,24 @@ class S3BlobStore:
         if key is None:
             digest = checksum if algorithm == "sha256" else checksum_of(data, "sha256")
             key = f"{prefix.rstrip('/')}/{digest[:2]}/{digest}"
-        return self._put_stream(io.BytesIO(data), len(data), key, algorithm, checksum)
+        return self._ride_out_outage(
+            lambda: self._put_stream(io.BytesIO(data), len(data), key, algorithm, checksum), key
+        )
 
     def put_file(self, path: Path, key: str, *, algorithm: ChecksumAlgorithm = "sha256") -> BlobRef:
         hasher = hash_file(path, algorithm)
-        with open(path, "rb") as fh:
-            return self._put_stream(fh, hasher.size, key, algorithm, hasher.hexdigest())
+
+        def put() -> BlobRef:
+            with open(path, "rb") as fh:  # each attempt from the first byte again
+                return self._put_stream(fh, hasher.size, key, algorithm, hasher.hexdigest())
+
+        return self._ride_out_outage(put, key)
+
+    def _ride_out_outage(self, put: Callable[[], BlobRef], key: str) -> BlobRef:
+        """Every write waits out an unavailable store for `outage_patience_s` (pipeline/blobstore/outage.py):
+        whoever writes (a publish, a checkpoint, a claim check) rides out a store restart, and the event
+        naming the blob is still appended only after the blob is stored."""
+        return ride_out_outage(put, what=self.uri(key), patience_s=self.settings.outage_patience_s)
 
     def _put_stream(
         self, stream: BinaryIO, size: int, key: str, algorithm: ChecksumAlgorithm, checksum: str

@@ -14,6 +14,7 @@ import functools
 import nats.js.errors
 
 from pipeline.blobstore import BlobStore, open_blob_store
+from pipeline.config import S3BlobSettings
 from pipeline.errors import BlobStoreUnavailable, ConsumerNotDeclared, SprawlError, TransientError
 from pipeline.eventlog import EventLog
 from pipeline.logs import get_logger
@@ -113,9 +114,18 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     return ArchiverFailed(f"the archiver failed: {type(first).__name__}: {first}")
 
 
+def open_archive_store(settings: ArchiverSettings) -> BlobStore:
+    """The archiver's store, whose writes do not wait out an outage themselves: the archiver waits it
+    out in its own `Waits` (S3_UNAVAILABLE), which a stop interrupts, with its messages held unacked."""
+    blobs = settings.blobs
+    if isinstance(blobs, S3BlobSettings):
+        blobs = blobs.model_copy(update={"outage_patience_s": 0.0})
+    return open_blob_store(blobs)
+
+
 async def run_archiver(settings: ArchiverSettings) -> None:
     async def body(event_log: EventLog, stop: asyncio.Event) -> None:
-        await Archiver(settings, event_log, open_blob_store(settings.blobs)).run(stop)
+        await Archiver(settings, event_log, open_archive_store(settings)).run(stop)
 
     await run_connected(settings, "archiver", body)
 
@@ -126,7 +136,7 @@ async def drain_once(settings: ArchiverSettings) -> int:
     stopped answering before the end."""
     event_log = await EventLog.connect(settings, worker="archiver-drain")
     try:
-        archiver = Archiver(settings, event_log, open_blob_store(settings.blobs))
+        archiver = Archiver(settings, event_log, open_archive_store(settings))
         stop = asyncio.Event()
         task = asyncio.create_task(archiver.run(stop))
         while True:
