@@ -42,6 +42,10 @@ test-faults *ARGS:
 test-gpu:
     infra/gpu_check.sh
 
+# the container image, with podman or docker (`--build-arg BASE=localhost/sprawl-base:bookworm` after infra/image/build_base.sh where no registry is reachable)
+image *ARGS:
+    python -m infra.image.build {{ARGS}}
+
 # a benchmark, e.g. `just bench log --quick --json`
 bench NAME *ARGS:
     sprawl bench {{NAME}} {{ARGS}}
