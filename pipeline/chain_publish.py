@@ -5,7 +5,9 @@ optimizer step. For every configured view it computes the served bits, diffs
 them against the previous version's bits kept in memory, uploads a patch per
 keyframe shard (or a whole keyframe every K versions), and only then appends
 the PolicyVersion event: create-only and fenced on the previous version, so a
-second trainer fails instead of forking the chain. With a signing key the event is
+second trainer fails instead of forking the chain. An unavailable store is waited
+out by the uploads themselves (`blobs.outage_patience_s`, pipeline/blobstore/outage.py):
+the event waits with them and is never appended before every blob it names is stored. With a signing key the event is
 signed (`pipeline/version_signing.py`) before it is appended: islands pinned to the
 key serve nothing else.
 

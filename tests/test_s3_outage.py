@@ -12,8 +12,10 @@ import json
 import time
 from collections import Counter
 
+import msgspec
 import pytest
 
+from infra.streams import apply
 from pipeline.blobstore import S3BlobStore
 from pipeline.blobstore.outage import (
     FIRST_RETRY_S,
@@ -24,13 +26,15 @@ from pipeline.blobstore.outage import (
     ride_out_outage,
 )
 from pipeline.errors import BlobNotFound, BlobStoreUnavailable, WorkerPartFailed
+from pipeline.eventlog import EventLog
 from pipeline.materialize import verify_directory
 from pipeline.replay import replay
-from pipeline.subjects import policy_filter
-from pipeline.topology import POLICY
+from pipeline.subjects import policy_filter, trajectories_filter
+from pipeline.topology import POLICY, TRAJECTORIES
 from pipeline.version_log import chain_head, fetch_version
 from schemas import PolicyVersion
 from tests.chain_helpers import expected_root, materializer, signed_trust
+from tests.events import trajectory
 from tests.servers import HANG_GUARD_S, server_stopped
 from tests.trainer_data import make_groups, publish_groups, write_initial_model
 from workers.trainer.loop import Trainer
@@ -63,7 +67,7 @@ def _trainer(event_log, settings, model_dir, patience_s: float) -> Trainer:
 async def _until(run: asyncio.Task, predicate, what: str) -> None:
     deadline = time.monotonic() + HANG_GUARD_S
     while not predicate():
-        assert not run.done(), f"the trainer ended before {what}: {run}"
+        assert not run.done(), f"ended before {what}: {run}"
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
         await asyncio.sleep(0.02)
 
@@ -146,6 +150,32 @@ async def test_an_outage_longer_than_the_patience_stops_the_trainer_loudly_with_
     assert head is not None and head.version == 0
     lines = _log_lines(capsys)
     assert any(line.get("event") == "blob store unavailable for longer than the patience: giving up" for line in lines)
+
+
+@pytest.mark.integration
+async def test_a_claim_checked_append_waits_out_an_outage_and_its_event_names_a_stored_blob(settings):
+    """A sampler's trajectory above the claim-check threshold: blob first, then the pointer event. The
+    append waits while the store is down (no pointer appended meanwhile) and lands once it answers."""
+    patient = settings.model_copy(
+        update={"blobs": settings.blobs.model_copy(update={**OUTAGE_TIMEOUTS, "outage_patience_s": 120.0})}
+    )
+    event_log = await EventLog.connect(patient, worker="test-sampler")
+    try:
+        await apply(event_log.js, settings.streams, settings.run_id)
+        big = trajectory(settings.run_id, "big-during-outage", output_tokens=20_000)
+        with server_stopped(settings, "seaweedfs"):
+            append = asyncio.create_task(event_log.append(big))
+            await _until(append, lambda: any(w.attempts >= 2 for w in blob_store_waits()), "two attempts waited")
+            (waiting,) = blob_store_waits()
+            assert f"/claims/{settings.run_id}/traj/" in waiting.what and not append.done()
+            counted = [r async for r in replay(event_log, TRAJECTORIES.name, trajectories_filter(settings.run_id))]
+            assert counted == []  # no pointer to a blob that is not stored
+        result = await asyncio.wait_for(append, HANG_GUARD_S)
+        assert result.claim_checked and blob_store_waits() == []
+        (stored,) = [r async for r in replay(event_log, TRAJECTORIES.name, trajectories_filter(settings.run_id))]
+        assert stored.event == msgspec.structs.replace(big, producer=event_log.producer)  # resolved from the blob
+    finally:
+        await event_log.close()
 
 
 class Store:

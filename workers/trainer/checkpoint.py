@@ -3,6 +3,7 @@
 A checkpoint holds what the log cannot re-derive cheaply: master weights, optimizer moments, every
 RNG, the version and step, the trajectories already used, and the stream positions to resume
 the feeds from. Versions published after it are re-derived from their lineage (`recovery.py`).
+An unavailable store is waited out by the upload (`blobs.outage_patience_s`), the event after it.
 """
 
 from __future__ import annotations

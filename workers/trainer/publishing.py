@@ -10,9 +10,11 @@ Back-pressure: with every snapshot in use (`depth` versions captured and not yet
 waits for one to come back; that wait, the capture itself and any `drain` are the time the update
 loop was blocked on publishing, summed in `blocked_s` and handed to each version's publish.
 
-A publish that fails (after the log's own append retries) ends the background task with
-PublishFailed naming the version; the trainer runs it as a guard, so the trainer stops at once,
-loudly, with no version after the failed one appended and none skipped.
+A publish that fails ends the background task with PublishFailed naming the version; the trainer
+runs it as a guard, so the trainer stops at once, loudly, with no version after the failed one
+appended and none skipped. Fails means after the log's own append retries, and after an unavailable
+blob store was waited out for `blobs.outage_patience_s` (pipeline/blobstore/outage.py): meanwhile
+the version waits in the queue, and the update loop runs on until the queue is full.
 """
 
 from __future__ import annotations
