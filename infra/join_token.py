@@ -183,8 +183,11 @@ def revoke_token(settings: SprawlSettings, st: StackStatus, token_id: str) -> li
     security = StackSecurity(directory)
     security.authority.revoke(entry["nats_user"])
     security.write_auth_conf()
-    signal_reload(st.server("nats").pid)
-    done = [f"NATS user {entry['nats_user'][:12]}… revoked (nats-server reloaded)"]
+    nodes = st.nats_servers()
+    for node in nodes:  # every node holds the revocation list in its own config: each reloads it
+        signal_reload(node.pid)
+    reloaded = "nats-server reloaded" if len(nodes) == 1 else f"all {len(nodes)} nats-server nodes reloaded"
+    done = [f"NATS user {entry['nats_user'][:12]}… revoked ({reloaded})"]
     if s3_identities.revoke_token_identity(admin_blobs(settings, st), token_id):
         done.append(f"S3 identity {entry['s3_identity']} deleted")
     entry["revoked_at"] = int(time.time())

@@ -109,23 +109,32 @@ def _names(hosts: list[str]) -> list[x509.GeneralName]:
     return names
 
 
-def _lists_exactly(cert_file: Path, hosts: list[str]) -> bool:
+SERVER_ONLY = (ExtendedKeyUsageOID.SERVER_AUTH,)
+SERVER_AND_CLIENT = (ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH)
+"""For the links between a cluster's servers: each node dials the others and is dialled by them, and
+both ends present this certificate (mutual TLS)."""
+
+
+def _lists_exactly(cert_file: Path, hosts: list[str], usages: tuple) -> bool:
     try:
         cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
         listed = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        granted = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     except (OSError, ValueError, x509.ExtensionNotFound):
         return False
     expiring = cert.not_valid_after_utc - dt.datetime.now(dt.UTC) < dt.timedelta(days=30)
-    return not expiring and set(map(str, listed)) == set(map(str, _names(hosts)))
+    return not expiring and set(map(str, listed)) == set(map(str, _names(hosts))) and set(granted) == set(usages)
 
 
-def ensure_server_certificate(directory: Path, server: str, hosts: list[str]) -> ServerCertificate:
+def ensure_server_certificate(
+    directory: Path, server: str, hosts: list[str], usages: tuple = SERVER_ONLY
+) -> ServerCertificate:
     """A certificate for `server` (`nats`, `s3`) signed by this folder's CA, valid for every name and
     address in `hosts` (what clients put in their URLs: 127.0.0.1, and an island's route to the stack).
-    Reissued when `hosts` changed or it is about to expire; kept otherwise (clients need not care)."""
+    Reissued when `hosts` or `usages` changed or it is about to expire; kept otherwise (clients need not care)."""
     ca_file, ca_key_file = ensure_ca(directory)
     cert_file, key_file = directory / f"{server}.pem", directory / f"{server}-key.pem"
-    if key_file.exists() and _lists_exactly(cert_file, hosts):
+    if key_file.exists() and _lists_exactly(cert_file, hosts, usages):
         return ServerCertificate(cert_file, key_file, ca_file)
     ca_cert = x509.load_pem_x509_certificate(ca_file.read_bytes())
     ca_key = _load_key(ca_key_file)
@@ -141,7 +150,7 @@ def ensure_server_certificate(directory: Path, server: str, hosts: list[str]) ->
         .not_valid_after(now + dt.timedelta(days=SERVER_DAYS))
         .add_extension(x509.SubjectAlternativeName(_names(hosts)), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(list(usages)), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
             critical=False,

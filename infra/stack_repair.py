@@ -8,10 +8,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from infra.nats_server import spawn_nats, wait_nats_ready
+from infra.nats_cluster import is_nats_node, wait_current
+from infra.nats_server import node_of, spawn_nats, wait_nats_ready
 from infra.ports import free_seaweed_base, port_is_free, port_of, seaweed_ports
 from infra.seaweed import spawn_seaweed, wait_seaweed
-from infra.server_process import BINARIES, ServerRecord, is_running, stop_servers
+from infra.server_process import ServerRecord, binary_of, is_running, stop_servers
 from infra.stack_settings import StackSettings, s3_settings
 from infra.stack_state import StackStatus, write_state
 from pipeline.errors import StackError
@@ -34,13 +35,14 @@ def repair(settings: StackSettings, recorded: StackStatus, directory: Path) -> S
     for server in recorded.servers:
         if alive[server.name]:
             servers.append(server)
-            actions.append(f"kept {BINARIES[server.name]} running (pid {server.pid})")
+            actions.append(f"kept {binary_of(server.name)} running (pid {server.pid})")
             continue
-        if server.name == "nats":
+        if is_nats_node(server):
             record, (nats_url, monitor_url) = _restart_nats(settings, recorded, server, directory)
-            update |= {"nats_url": nats_url, "nats_monitor_url": monitor_url}
+            if settings.stack.nats_cluster == 1:  # a cluster node comes back on its ports: the URLs hold
+                update |= {"nats_url": nats_url, "nats_monitor_url": monitor_url}
             actions.append(
-                f"restarted nats-server (pid {server.pid} had died) as pid {record.pid} on its port "
+                f"restarted {_label(server.name)} (pid {server.pid} had died) as pid {record.pid} on its port "
                 f"{record.ports['client']}, from its store"  # type: ignore[index]
             )
         else:
@@ -58,6 +60,8 @@ def repair(settings: StackSettings, recorded: StackStatus, directory: Path) -> S
         s3_endpoint=update.get("s3_endpoint", recorded.s3_endpoint),
         buckets=recorded.buckets,
         servers=servers,
+        secure=recorded.secure,
+        ca_file=recorded.ca_file,
     )
     write_state(directory, repaired)
     repaired.actions = actions
@@ -76,9 +80,23 @@ def _restart_nats(
     _require_free(ports["client"], "nats-server's client port (its clients reconnect there)")
     _require_free(ports["monitor"], "nats-server's monitoring port")
     section = settings.stack
-    record = spawn_nats(directory, section, client_port=ports["client"], monitor_port=ports["monitor"])
+    route_ports = [s.ports["cluster"] for s in recorded.servers if is_nats_node(s) and s.ports and "cluster" in s.ports]
+    if section.nats_cluster > 1:
+        _require_free(ports["cluster"], "nats-server's route port (the other nodes dial it)")
+    node = node_of(dead.name)
+    record = spawn_nats(
+        directory,
+        section,
+        node=node,
+        route_ports=route_ports or None,
+        client_port=ports["client"],
+        monitor_port=ports["monitor"],
+    )
     try:
-        endpoints = wait_nats_ready(record, section, time.monotonic() + section.start_timeout_s)
+        deadline = time.monotonic() + section.start_timeout_s
+        endpoints = wait_nats_ready(record, section, deadline)
+        if route_ports:  # back in the cluster, caught up with its meta leader
+            wait_current(record, endpoints[1], section, deadline)
     except BaseException:  # the new one goes; the healthy half stays
         stop_servers([record])
         raise
@@ -105,3 +123,8 @@ def _restart_seaweed(
         stop_servers(started)
         raise
     return started[-1]
+
+
+def _label(name: str) -> str:
+    """`nats-server` for a lone server, `nats-server node nats-2` for a cluster's."""
+    return binary_of(name) if name == "nats" else f"{binary_of(name)} node {name}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import time
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from infra.nats_auth import (
     decode_claims,
 )
 from infra.nats_permissions import inbox_prefix, permissions_for
-from infra.pki import ServerCertificate, ensure_server_certificate, write_private
+from infra.pki import SERVER_AND_CLIENT, ServerCertificate, ensure_server_certificate, write_private
 from infra.roles import Role
 from pipeline.config import NatsSettings, S3BlobSettings
 
@@ -46,6 +47,10 @@ class StackSecurity:
     def server_certificate(self, server: str, hosts: list[str]) -> ServerCertificate:
         return ensure_server_certificate(self.tls_dir, server, [*LOCAL_HOSTS, *hosts])
 
+    def route_certificate(self) -> ServerCertificate:
+        """The certificate a cluster's nodes present to one another (mutual TLS on 127.0.0.1)."""
+        return ensure_server_certificate(self.tls_dir, "nats-route", LOCAL_HOSTS, SERVER_AND_CLIENT)
+
     def nats_config(self, hosts: list[str]) -> list[str]:
         """nats.conf lines: TLS with this stack's certificate, and the operator that signs every user."""
         cert = self.server_certificate("nats", hosts)
@@ -62,7 +67,11 @@ class StackSecurity:
     def write_auth_conf(self) -> Path:
         """`<stack>/auth.conf`: the operator and the accounts, revocations included (public material)."""
         path = self.directory / "auth.conf"
-        path.write_text(self.authority.server_config() + "\n")
+        # Replaced whole, never rewritten in place: a cluster's nodes (and a reloading server) read it
+        # while it is written, and a half-written file would start a node that trusts no operator.
+        staging = path.with_name(f".auth.conf.{os.getpid()}.tmp")
+        staging.write_text(self.authority.server_config() + "\n")
+        staging.replace(path)
         return path
 
     def issue(self, role: Role | str, run_id: str, identity: str, *, expires_at: int | None = None) -> UserCredentials:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -18,6 +18,13 @@ class StackSection(Section):
     """NATS client port (127.0.0.1 only); 0: any free port."""
     nats_monitor_port: Port = Field(8222, validate_default=True)
     """NATS HTTP monitoring port (health checks); 0: any free port."""
+    nats_cluster: Literal[1, 3, 5] = 1
+    """JetStream servers on this machine. 3 (or 5) make a cluster whose streams, given as many replicas
+    (`streams.replicas`), survive losing one (two) of them; node k (from 1) listens on nats_port + k - 1,
+    nats_monitor_port + k - 1 and nats_cluster_port + k - 1 (ports that are 0 stay 0: chosen at start)."""
+    nats_cluster_port: Port = Field(6222, validate_default=True)
+    """First node's route port (the servers' links to one another; with 3 nodes also the next two);
+    0: free ports chosen at start. Unused with one node."""
     s3_port: Port = Field(8333, validate_default=True)
     """SeaweedFS S3 port; 0: seaweed_port_base + 8."""
     seaweed_port_base: int = Field(19330, ge=0, le=65535 - SEAWEED_SPAN, validate_default=True)
@@ -42,13 +49,14 @@ class StackSection(Section):
     """Largest message nats-server accepts: at least the default claim-check threshold (256 KiB;
     larger events are claim-checked) and at most 64 MiB (nats-server's own limit)."""
 
-    @field_validator("nats_monitor_port", "s3_port", "seaweed_port_base")
+    @field_validator("nats_monitor_port", "nats_cluster_port", "s3_port", "seaweed_port_base")
     @classmethod
     def _ports_differ(cls, value: int, info: ValidationInfo) -> int:
         """A fixed port used twice would fail at start ("address in use"): name the fields that clash."""
         if not value:
             return value
-        fixed = {name: info.data.get(name) for name in ("nats_port", "nats_monitor_port", "s3_port")}
+        names = ("nats_port", "nats_monitor_port", "nats_cluster_port", "s3_port")
+        fixed = {name: info.data.get(name) for name in names}
         fixed = {name: port for name, port in fixed.items() if port and name != info.field_name}
         if info.field_name == "seaweed_port_base":
             taken = set(seaweed_ports(value).values()) | ({value + 8} if not info.data.get("s3_port") else set())

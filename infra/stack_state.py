@@ -32,6 +32,10 @@ class StackStatus:
     def server(self, name: str) -> ServerRecord:
         return next(s for s in self.servers if s.name == name)
 
+    def nats_servers(self) -> list[ServerRecord]:
+        """The log's nodes: one server, or a cluster's (`nats`, `nats-2`, ...)."""
+        return [s for s in self.servers if s.name == "nats" or s.name.startswith("nats-")]
+
 
 def stack_dir(settings: SprawlSettings) -> Path:
     return settings.state_dir.resolve() / "stack"

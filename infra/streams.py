@@ -27,7 +27,25 @@ _RETENTION = {"limits": api.RetentionPolicy.LIMITS}
 
 
 def replicas(stream: Stream, settings: StreamSettings) -> int:
-    return stream.replicas if stream.replicas is not None else settings.replicas
+    """`stream`'s own pin, else the configured count, else 1 (`apply` resolves None against the server)."""
+    if stream.replicas is not None:
+        return stream.replicas
+    return settings.replicas if settings.replicas is not None else 1
+
+
+def cluster_size(nc) -> int:
+    """How many servers the connected log has: its INFO lists every node's client URL (`connect_urls`)
+    when it is a cluster. A cluster that hides them (`no_advertise`) counts as one: set
+    `streams.replicas` explicitly there."""
+    info = nc._server_info  # nats.py keeps the server's INFO here and offers no public accessor
+    return max(1, len(info.get("connect_urls") or [])) if info.get("cluster") else 1
+
+
+def resolved(settings: StreamSettings, nc) -> StreamSettings:
+    """`settings` with `replicas` decided: 3 on a cluster of 3 or more servers, 1 on one server."""
+    if settings.replicas is not None:
+        return settings
+    return settings.model_copy(update={"replicas": 3 if cluster_size(nc) >= 3 else 1})
 
 
 def dedup_floor_s(log: LogSettings, nats: NatsSettings) -> float:
@@ -123,6 +141,9 @@ _STREAM_FIELDS = [
     "discard_new_per_subject",
 ]
 _CONSUMER_FIELDS = [
+    # A consumer left at fewer replicas than its stream (a stream scaled up to a cluster) would stop
+    # with the one server holding it.
+    "num_replicas",
     "ack_wait",
     "max_deliver",
     "backoff",
@@ -147,6 +168,7 @@ async def apply(
     None: the defaults. Raises StreamUpgradeRefused, changing nothing on that stream, where limiting an
     existing stream to one message per subject would delete messages."""
     report = ApplyReport()
+    settings = resolved(settings, js._nc)
     floor = dedup_floor_s(log or LogSettings(), nats or NatsSettings())
     for stream in STREAMS:
         wanted = stream_config(stream, settings, floor)

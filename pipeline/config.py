@@ -191,15 +191,18 @@ class LogSettings(Section):
     """Encoded events larger than this go to the blob store; the log carries a claim check."""
     publish_timeout_s: float = Field(5.0, gt=0)
     """How long one publish waits for the stream's ack."""
-    publish_attempts: int = Field(6, ge=1)
-    """Attempts for a publish that times out or finds no responders (same Nats-Msg-Id each time)."""
+    publish_attempts: int = Field(20, ge=1)
+    """Attempts for a publish that times out or finds no responders (same Nats-Msg-Id each time). With
+    the backoff capped at 1 s, 20 fast failures span about 19 s: a cluster's stream leader election
+    (4 to 9 s once the old leader is missed) with room to spare, before the append gives up."""
     publish_backoff_s: float = Field(0.25, ge=0)
     """First retry delay; doubles per attempt."""
 
 
 class StreamSettings(Section):
-    replicas: int = Field(1, ge=1, le=5)
-    """Stream and consumer replicas: 1 locally, 3 on a cluster (JetStream allows at most 5)."""
+    replicas: int | None = Field(None, ge=1, le=5)
+    """Stream and consumer replicas (JetStream allows at most 5). None: 3 when the log is a cluster of
+    3 or more servers (a stream then survives losing one), 1 when it is one server."""
     duplicate_window_s: float = Field(120.0, gt=0)
     """How long JetStream remembers a Nats-Msg-Id to drop re-published events."""
     policy_duplicate_window_s: float = Field(24 * 3600.0, gt=0)

@@ -68,8 +68,10 @@ _ERR_NO_STREAM_MATCH = 10060
 _ERR_SUBJECT_FULL = 10077
 """'maximum messages per subject exceeded': a one-message-per-subject stream already holds this subject."""
 
-PUBLISH_BACKOFF_CAP_S = 5.0
-"""The longest wait between two publish attempts of one append (the delay doubles up to this)."""
+PUBLISH_BACKOFF_CAP_S = 1.0
+"""The longest wait between two publish attempts of one append (the delay doubles up to this). Short:
+while a cluster elects a stream's leader (seconds) appends find no responder, and each second of
+backoff past the election is a second without appends (`sprawl bench failover`)."""
 
 NO_ANSWER = (
     TimeoutError,  # covers nats.errors.TimeoutError and the bare asyncio timeouts nats-py sometimes raises

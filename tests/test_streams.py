@@ -244,14 +244,14 @@ def test_replicas_are_configurable():
 
 
 def test_dedup_windows_cover_a_producers_retries_of_one_message_id():
-    # 3 attempts of up to 2 s each, with 1 + 2 + 4 s of backoff after them, and one reconnect of 5 + 0.5 s.
-    log = LogSettings(publish_timeout_s=2.0, publish_attempts=3, publish_backoff_s=1.0)
+    # 3 attempts of up to 2 s each, with 0.25 + 0.5 + 1 s of backoff after them, and one reconnect of 5 + 0.5 s.
+    log = LogSettings(publish_timeout_s=2.0, publish_attempts=3, publish_backoff_s=0.25)
     nats = NatsSettings(connect_timeout_s=5.0, reconnect_wait_s=0.5)
-    assert dedup_floor_s(log, nats) == pytest.approx(3 * 2.0 + 1 + 2 + 4 + 5.0 + 0.5)
-    # The backoff is capped (at 5 s) as the append's retry loop caps it.
-    patient = LogSettings(publish_timeout_s=30.0, publish_attempts=8, publish_backoff_s=1.0)
+    assert dedup_floor_s(log, nats) == pytest.approx(3 * 2.0 + 0.25 + 0.5 + 1 + 5.0 + 0.5)
+    # The backoff is capped (at 1 s) as the append's retry loop caps it.
+    patient = LogSettings(publish_timeout_s=30.0, publish_attempts=8, publish_backoff_s=0.25)
     floor = dedup_floor_s(patient, nats)
-    assert floor == pytest.approx(8 * 30.0 + 1 + 2 + 4 + 5 * 5 + 5.0 + 0.5)
+    assert floor == pytest.approx(8 * 30.0 + 0.25 + 0.5 + 6 * 1.0 + 5.0 + 0.5)
     settings = StreamSettings(duplicate_window_s=120.0, policy_duplicate_window_s=3600.0)
     # A window configured shorter than the producers' retries is raised to cover them; a longer one is kept.
     assert stream_config(TRAJECTORIES, settings, floor).duplicate_window == pytest.approx(floor)

@@ -92,6 +92,9 @@ class ReportOptions(CommandOptions):
 class StackOptions(CommandOptions):
     action: CliPositionalArg[Literal["up", "down", "status"]]
     """`up` (start the local stack in the background), `down` (stop it) or `status` (where it runs)."""
+    nats_cluster: int | None = None
+    """For `up`: the log as this many JetStream servers (3: streams survive losing one); the same as
+    `--stack.nats-cluster`."""
 
 
 class TokenOptions(CommandOptions):
@@ -181,6 +184,11 @@ def _cli_source(model: type, parser: argparse.ArgumentParser, *, toggles: bool =
 def cmd_stack(options: StackOptions, settings) -> int:
     from infra import stack
 
+    if options.nats_cluster is not None:
+        section = type(settings.stack).model_validate(
+            {**settings.stack.model_dump(), "nats_cluster": options.nats_cluster}
+        )
+        settings = settings.model_copy(update={"stack": section})
     if options.action == "up":
         st = stack.up(settings)
         if st.secure:

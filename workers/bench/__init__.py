@@ -17,6 +17,7 @@ BENCHES: dict[str, str] = {
     "sandbox": "workers.bench.sandbox_bench:bench_sandbox",
     "audit": "workers.bench.audit_bench:bench_audit",
     "faults": "workers.bench.faults_bench:bench_faults",
+    "failover": "workers.bench.failover_bench:bench_failover",
 }
 """Name -> `module:function` (imported only when that benchmark runs)."""
 
