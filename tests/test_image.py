@@ -333,9 +333,13 @@ def structure_problems(text: str) -> list[str]:
     entrypoints = runtime.all("ENTRYPOINT")
     if not entrypoints or entrypoints[-1].value.replace(" ", "") != '["sprawl"]':
         problems.append(f'the entry point must be the exec form ["sprawl"]: {[e.value for e in entrypoints]}')
-    copies = runtime.all("COPY")
-    if [c.value for c in copies] != ["--from=builder /opt/sprawl /opt/sprawl"]:
-        problems.append(f"the runtime stage copies only the builder's venv: {[c.value for c in copies]}")
+    copies = [c.value for c in runtime.all("COPY")]
+    wanted = [
+        "--from=builder /opt/sprawl /opt/sprawl",
+        "--from=builder --chown=10001:10001 /opt/numba-cache /opt/numba-cache",
+    ]
+    if copies != wanted:
+        problems.append(f"the runtime stage copies only the builder's venv and kernel cache: {copies}")
     return problems
 
 
@@ -353,6 +357,10 @@ def test_the_containerfile_keeps_the_image_policy() -> None:
         (("ARG BASE=docker.io/library/debian:bookworm-slim", "ARG BASE=debian"), "tagged image"),
         (("FROM ${BASE} AS runtime", "FROM docker.io/library/python:3.11 AS runtime"), "use the BASE argument"),
         (("COPY --from=builder /opt/sprawl /opt/sprawl", "COPY . /src"), "copies only the builder's venv"),
+        (
+            ("COPY --from=builder --chown=10001:10001 /opt/numba-cache", "COPY --from=builder /opt/numba-cache"),
+            "copies only",
+        ),
         (("--mount=type=secret,id=ca.crt --mount=type=bind", "--mount=type=bind"), "pip inputs"),
         (("PIP_NO_CACHE_DIR=1", "PIP_INDEX_URL=https://mirror.invalid/simple"), "baked into a layer"),
         (("COPY pipeline ./pipeline", "ADD pipeline ./pipeline"), "ADD"),
@@ -490,11 +498,18 @@ def test_the_image_runs_sprawl_as_a_non_root_user(image: tuple[str, list[str]]) 
     run = [engine, *global_options, "run", "--rm", *build.run_limit_args(engine)]
     shown = subprocess.run([*run, IMAGE_TAG, "--help"], capture_output=True, text=True, timeout=300)
     assert shown.returncode == 0 and "sampler" in shown.stdout, shown.stderr[-2000:]
-    probe = "import os, shutil, torch; print(os.getuid(), shutil.which('bwrap'), shutil.which('ip'), torch.__version__)"
+    # The codec's kernels load from the cache the build filled: warming them up writes nothing new.
+    probe = (
+        "import os, shutil, torch; from pathlib import Path; from pipeline.codec.warm import warm\n"
+        "cache = lambda: sorted(Path(os.environ['NUMBA_CACHE_DIR']).rglob('*'))\n"
+        "before = cache(); warm(); compiled = len(set(cache()) - set(before))\n"
+        "print(os.getuid(), shutil.which('bwrap'), shutil.which('ip'), torch.__version__, len(before), compiled)"
+    )
     who = subprocess.run([*run, "--entrypoint", "python", IMAGE_TAG, "-c", probe], capture_output=True, text=True)
     assert who.returncode == 0, who.stderr[-2000:]
-    uid, bwrap, ip, torch_version = who.stdout.split()
+    uid, bwrap, ip, torch_version, cached, compiled = who.stdout.split()
     assert (uid, bwrap, ip, torch_version) == (str(CONTAINER_UID), "/usr/bin/bwrap", "/usr/bin/ip", "2.13.0+cpu")
+    assert int(cached) > 0 and compiled == "0", (cached, compiled)
 
 
 @pytest.mark.slow
