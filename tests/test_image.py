@@ -508,7 +508,8 @@ def test_the_image_runs_sprawl_as_a_non_root_user(image: tuple[str, list[str]]) 
     who = subprocess.run([*run, "--entrypoint", "python", IMAGE_TAG, "-c", probe], capture_output=True, text=True)
     assert who.returncode == 0, who.stderr[-2000:]
     uid, bwrap, ip, torch_version, cached, compiled = who.stdout.split()
-    assert (uid, bwrap, ip, torch_version) == (str(CONTAINER_UID), "/usr/bin/bwrap", "/usr/bin/ip", "2.13.0+cpu")
+    assert (uid, torch_version) == (str(CONTAINER_UID), "2.13.0+cpu")
+    assert bwrap.startswith("/usr/") and ip.startswith("/usr/"), (bwrap, ip)  # Debian's, not None
     assert int(cached) > 0 and compiled == "0", (cached, compiled)
 
 
