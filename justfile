@@ -46,6 +46,10 @@ test-gpu:
 image *ARGS:
     python -m infra.image.build {{ARGS}}
 
+# build the image and run a sampler in it against a local run (podman or docker; about 7 minutes cold)
+test-image *ARGS:
+    python -m pytest tests/test_image.py -m slow {{ARGS}}
+
 # a benchmark, e.g. `just bench log --quick --json`
 bench NAME *ARGS:
     sprawl bench {{NAME}} {{ARGS}}

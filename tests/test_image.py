@@ -481,7 +481,7 @@ def image() -> Iterator[tuple[str, list[str]]]:
         engine = build.find_engine()
     except build.ImageError as error:
         pytest.fail(f"{error}: the image test needs podman (apt-get install podman runc mmdebstrap)")
-    if subprocess.run([engine, "image", "exists", BASE_TAG], capture_output=True).returncode != 0:
+    if subprocess.run([engine, "image", "inspect", BASE_TAG], capture_output=True).returncode != 0:
         done = subprocess.run([str(ROOT / "infra/image/build_base.sh"), BASE_TAG], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-4000:]
     extra = ["--build-arg", f"BASE={BASE_TAG}"]
