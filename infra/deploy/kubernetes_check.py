@@ -10,8 +10,11 @@ problem, exiting 1 if there is any:
 - every `sprawl` container's command line against the CLI (a real command, flags it has) and its
   `SPRAWL_...` variables against that command's settings (each names a field; values that validate);
 - the names the cluster shares with the code: the KEDA trigger's stream and consumer are the
-  run's samplers consumer in pipeline/topology.py, inbox prefixes are the roles' own, stream
-  replicas fit the NATS StatefulSet, islands serve views the trainer publishes.
+  run's samplers consumer in pipeline/topology.py, its account is the run account of the log's
+  operator auth (a public key, never `$G`, when nats.conf includes the stack's auth.conf; the very
+  account that auth.conf preloads when the overlay carries it, as `sprawl stack export-kubernetes`
+  writes it), inbox prefixes and credentials are the roles' own, stream replicas fit the NATS
+  StatefulSet, islands serve views the trainer publishes, one prompt driver at a time.
 
 tests/test_deploy_kubernetes.py runs these on every overlay in the repository; users run them on
 their own overlays.
@@ -19,6 +22,7 @@ their own overlays.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import json
@@ -49,6 +53,8 @@ RUN_CONFIG = "sprawl-run"
 SETTINGS_FILE_VARIABLE = "SPRAWL_CONFIG"
 """Read by `load_settings` itself (a TOML file), not a settings field."""
 _ACCOUNT_KEY = re.compile(r"^A[A-Z2-7]{55}$")
+_HASH_SUFFIX = re.compile(r"-[bcdfghjklmnpqrstvwxz2456789]{10}$")
+"""What kustomize appends to a generated ConfigMap's or Secret's name (a hash of its content)."""
 
 
 class RenderError(SprawlError):
@@ -264,7 +270,8 @@ def run_id_of(docs: list[dict[str, Any]]) -> str:
 
 def topology_errors(docs: list[dict[str, Any]]) -> list[str]:
     from infra.nats_permissions import inbox_prefix
-    from pipeline.topology import PROMPTS, ConsumerRole, consumer_for
+    from infra.roles import GRANTS, Role
+    from pipeline.topology import PROMPTS, ConsumerRole, Kind, consumer_for
     from workers.cli import ROLE_OF_COMMAND
 
     errors = []
@@ -273,6 +280,9 @@ def topology_errors(docs: list[dict[str, Any]]) -> list[str]:
     config_maps = _config_maps(docs)
     by_name = {_name(d): d for d in docs}
     commands = {_name(d): [str(a) for a in c.get("args", [])] for d, c in sprawl_containers(docs)}
+    conf = by_name.get("ConfigMap/nats-config", {}).get("data", {}).get("nats.conf", "")
+    operator_mode = bool(re.search(r"^\s*include\s+\S*auth\.conf", conf, re.MULTILINE))
+    accounts = run_accounts(docs)
 
     # KEDA: every sampler workload is scaled on the run's samplers consumer, and nothing else is.
     scaled = set()
@@ -299,9 +309,7 @@ def topology_errors(docs: list[dict[str, Any]]) -> list[str]:
                     f"{_name(doc)}: consumer {meta.get('consumer')!r}; run {run!r}'s samplers consumer is "
                     f"{samplers.name!r} (pipeline/topology.py)"
                 )
-            account = meta.get("account", "")
-            if account != "$G" and not _ACCOUNT_KEY.fullmatch(account):
-                errors.append(f"{_name(doc)}: account {account!r} is neither $G nor an account's public key")
+            errors += _account_errors(doc, meta.get("account", ""), operator_mode, accounts)
             host, _, port = meta.get("natsServerMonitoringEndpoint", "").partition(":")
             service = by_name.get(f"Service/{host.split('.')[0]}")
             if service is None or service["spec"].get("clusterIP") != "None":
@@ -323,8 +331,26 @@ def topology_errors(docs: list[dict[str, Any]]) -> list[str]:
                     f"{_name(doc)}: SPRAWL_NATS__INBOX_PREFIX {env['SPRAWL_NATS__INBOX_PREFIX']!r}; "
                     f"`sprawl {args[0]}` in run {run!r} has {expected!r}"
                 )
+        creds = env.get("SPRAWL_NATS__CREDS_FILE")
+        if creds and args and (source := _mounted_from(doc, container, creds)) is not None:
+            role = ROLE_OF_COMMAND.get(args[0], "admin")
+            if source != f"sprawl-{role}":
+                errors.append(
+                    f"{_name(doc)}: `sprawl {args[0]}` runs as {role} but its credentials come from Secret {source}"
+                )
         if env.get("SPRAWL_RUN_ID", run) != run:
             errors.append(f"{_name(doc)}: SPRAWL_RUN_ID {env['SPRAWL_RUN_ID']!r}, the run is {run!r}")
+
+    # Prompts: one driver at a time (two would race for the same groups), as a role that may publish them.
+    for doc, container in sprawl_containers(docs):
+        if [str(a) for a in container.get("args", [])][:1] != ["prompts"]:
+            continue
+        role = Role(ROLE_OF_COMMAND.get("prompts", "admin"))
+        if role is not Role.ADMIN and Kind.PROMPTS not in GRANTS[role].publishes:
+            errors.append(f"{_name(doc)}: `sprawl prompts` runs as {role.value}, which may not publish prompts")
+        spec = doc.get("spec", {})
+        if spec.get("replicas", 1) != 1 or spec.get("strategy", {}).get("type") != "Recreate":
+            errors.append(f"{_name(doc)}: the prompt driver must be 1 replica with the Recreate strategy")
 
     # Replicas: a stream cannot have more replicas than there are servers.
     nats = by_name.get("StatefulSet/nats")
@@ -349,6 +375,50 @@ def topology_errors(docs: list[dict[str, Any]]) -> list[str]:
         if view not in published:
             errors.append(f"{name}: serves view {view!r}, which the trainer does not publish ({sorted(published)})")
     return errors
+
+
+def _secret_files(doc: dict[str, Any]) -> dict[str, str]:
+    data = {k: base64.b64decode(v).decode(errors="replace") for k, v in doc.get("data", {}).items()}
+    return data | doc.get("stringData", {})
+
+
+def run_accounts(docs: list[dict[str, Any]]) -> set[str] | None:
+    """The accounts (not the system account) that the `nats-auth` Secret's auth.conf preloads, when the
+    overlay carries that Secret (an export does); None when the Secret lives only in the cluster."""
+    for doc in docs:
+        if doc.get("kind") == "Secret" and _HASH_SUFFIX.sub("", doc["metadata"]["name"]) == "nats-auth":
+            conf = _secret_files(doc).get("auth.conf", "")
+            system = re.search(r"^system_account:\s*(\S+)", conf, re.MULTILINE)
+            preloaded = set(re.findall(r"^\s+(A[A-Z2-7]{55}):", conf, re.MULTILINE))
+            return preloaded - {system.group(1) if system else ""}
+    return None
+
+
+def _account_errors(doc: dict[str, Any], account: str, operator_mode: bool, accounts: set[str] | None) -> list[str]:
+    """KEDA's `account` names where the run's streams live: with operator auth, the run account."""
+    if not operator_mode:
+        if account == "$G" or _ACCOUNT_KEY.fullmatch(account):
+            return []
+        return [f"{_name(doc)}: account {account!r} is neither $G nor an account's public key"]
+    if not _ACCOUNT_KEY.fullmatch(account):
+        return [
+            f"{_name(doc)}: account {account!r} is not an account's public key, and nats.conf includes the "
+            "stack's auth.conf (operator mode: the run's streams live in its run account, KEDA would find "
+            "none elsewhere); deploy through `sprawl stack export-kubernetes`, which sets it"
+        ]
+    if accounts is not None and account not in accounts:
+        return [f"{_name(doc)}: account {account} is not the run account of the nats-auth Secret's auth.conf"]
+    return []
+
+
+def _mounted_from(doc: dict[str, Any], container: dict[str, Any], path: str) -> str | None:
+    """The Secret a file in the container comes from (through a volume mount), if any."""
+    volumes = {v["name"]: v for v in (_pod_spec(doc) or {}).get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        if path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            name = volumes.get(mount["name"], {}).get("secret", {}).get("secretName")
+            return None if name is None else _HASH_SUFFIX.sub("", name)
+    return None
 
 
 def secrets_referenced(docs: list[dict[str, Any]]) -> set[str]:

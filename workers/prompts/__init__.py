@@ -1,0 +1,2 @@
+"""`sprawl prompts`: the demo task's prompt groups published ahead of the trainer, as a worker of its own
+(on Kubernetes, where no `sprawl up` runs beside the trainer)."""
