@@ -62,12 +62,14 @@ async def publish_ahead(event_log: EventLog, settings: PromptsSettings, stop: as
     from workers.up.prompt_driver import PromptDriver, prompts_in_log  # the demo task: torch
 
     run = settings.run_id
-    # PromptDriver reads `.prompts`, `.task` and `.trainer.group_size`, which these settings share with up's.
-    driver = PromptDriver(event_log, run, settings, await prompts_in_log(event_log, run))  # type: ignore[arg-type]
-    log.info("prompt driver started", run=run, next_group=driver.next_index, ahead=settings.prompts.groups_ahead)
+    driver: PromptDriver | None = None
     silent_since: float | None = None
     while not stop.is_set():
         try:
+            if driver is None:  # numbered after the groups in the log, once the log says how many
+                # PromptDriver reads `.prompts`, `.task` and `.trainer.group_size`, which these settings share.
+                driver = PromptDriver(event_log, run, settings, await prompts_in_log(event_log, run))  # type: ignore[arg-type]
+                log.info("prompt driver started", run=run, next_group=driver.next_index)
             dropped = await dropped_groups(event_log, run)
             taken = await taken_groups(event_log, run, settings.trainer.groups_per_batch)
             before = driver.next_index
