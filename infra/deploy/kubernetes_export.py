@@ -80,10 +80,13 @@ def overlay_namespace(overlay: str) -> str:
     return str(kustomization.get("namespace") or "default")
 
 
-def _check_inputs(stack_directory: Path, overlay: str, namespace: str, run_id: str) -> None:
-    if not (OVERLAYS_DIR / overlay / "kustomization.yaml").is_file():
+def _check_overlay(overlay: str) -> None:
+    if "/" in overlay or not (OVERLAYS_DIR / overlay / "kustomization.yaml").is_file():
         names = sorted(p.name for p in OVERLAYS_DIR.iterdir() if (p / "kustomization.yaml").is_file())
         raise ExportError(f"no overlay {overlay!r} in {OVERLAYS_DIR}", hint=f"choose one of {', '.join(names)}")
+
+
+def _check_inputs(stack_directory: Path, namespace: str, run_id: str) -> None:
     # Made on first use by NatsAuthority and ensure_ca: a folder without them is not a secure stack's, and
     # exporting it would invent an operator no running log trusts.
     for needed in ("auth/nkeys.json", "tls/ca.pem", "tls/ca-key.pem"):
@@ -172,8 +175,9 @@ def export_kubernetes(
     from workers.up.orchestrate import signing_key_path
 
     stack_directory, directory = Path(stack_directory).resolve(), Path(directory).resolve()
+    _check_overlay(overlay)
     namespace = namespace if namespace is not None else overlay_namespace(overlay)
-    _check_inputs(stack_directory, overlay, namespace, run_id)
+    _check_inputs(stack_directory, namespace, run_id)
     if directory.exists() and any(directory.iterdir()):
         raise ExportError(
             f"{directory} is not empty", hint="export into a new folder (a stale key ring must not be mixed in)"
