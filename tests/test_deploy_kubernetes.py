@@ -1,17 +1,23 @@
-"""The Kubernetes manifests (infra/deploy/kubernetes): every overlay renders with kustomize and passes
-the Kubernetes API's schemas, KEDA's ScaledObject schema, the CLI and the topology
-(infra/deploy/kubernetes_check.py); and each of those checks fails on a manifest that breaks it."""
+"""The Kubernetes manifests (infra/deploy/kubernetes): every overlay, exported with a stack's security
+(`sprawl stack export-kubernetes`), renders with kustomize and passes the Kubernetes API's schemas,
+KEDA's ScaledObject schema, the CLI and the topology (infra/deploy/kubernetes_check.py); an overlay
+rendered without the stack's account fails; and each check fails on a manifest that breaks it.
+
+The prompt driver's Deployment runs `sprawl prompts`, which workers/cli.py registers (with
+ROLE_OF_COMMAND["prompts"] = "trainer"): until then the command checks name it as unknown."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from infra.deploy import kubernetes_check as kc
+from infra.deploy.kubernetes_export import export_kubernetes
 from pipeline.topology import PROMPTS, ConsumerRole, consumer_for
 
 OVERLAYS = {path.name: path for path in kc.overlays()}
@@ -23,8 +29,32 @@ def _rendered(name: str) -> tuple:
 
 
 def rendered(name: str) -> list[dict]:
-    """A fresh copy each time: tests mutate it."""
+    """The repository's overlay as it is (no stack's account): a fresh copy each time, tests mutate it."""
     return copy.deepcopy(list(_rendered(name)))
+
+
+@functools.cache
+def _exported(name: str) -> tuple:
+    """The overlay exported with the security of a stack folder of its own (made offline: no server
+    is needed to issue; tests/test_deploy_export.py exports from a running one)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from infra.pki import ensure_ca
+    from infra.stack_security import StackSecurity
+
+    root = Path(tempfile.mkdtemp(prefix=f"sprawl-k8s-{name}-"))
+    atexit.register(shutil.rmtree, root, True)  # keys: not left behind in /tmp
+    stack_dir = root / "state" / "stack"
+    StackSecurity(stack_dir)
+    ensure_ca(stack_dir / "tls")
+    export = export_kubernetes(stack_dir, root / "export", run_id="demo", overlay=name)
+    return export.account, tuple(kc.render(export.directory))
+
+
+def exported(name: str) -> list[dict]:
+    return copy.deepcopy(list(_exported(name)[1]))
 
 
 def find(docs: list[dict], kind: str, name: str) -> dict:
@@ -41,8 +71,55 @@ def test_the_repository_has_both_overlays():
 
 
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
-def test_every_overlay_passes_every_check(overlay):
-    assert kc.check(rendered(overlay)) == []
+def test_every_overlay_exported_with_a_stack_passes_every_check(overlay):
+    assert kc.check(exported(overlay)) == []
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_an_overlay_without_the_stack_s_account_fails_on_that_alone(overlay):
+    """The base's placeholder is no account: applied without an export, KEDA would find no stream."""
+    problems = kc.check(rendered(overlay))
+    assert len(problems) == 2
+    for problem, name in zip(problems, ("sampler-bf16", "sampler-fp8-e4m3"), strict=True):
+        assert problem.startswith(f"ScaledObject/{name}: account 'set-by-sprawl-stack-export-kubernetes' is not")
+        assert "sprawl stack export-kubernetes" in problem
+
+
+def _set_account(docs: list[dict], account: str) -> None:
+    for doc in docs:
+        if doc["kind"] == "ScaledObject":
+            doc["spec"]["triggers"][0]["metadata"]["account"] = account
+
+
+def test_g_is_refused_under_operator_auth_and_allowed_only_without_accounts():
+    docs = exported("gpu")
+    _set_account(docs, "$G")
+    assert "account '$G' is not an account's public key, and nats.conf includes the stack's auth.conf" in _problems(
+        docs
+    )
+    conf = find(docs, "ConfigMap", "nats-config")["data"]
+    conf["nats.conf"] = conf["nats.conf"].replace("include ./auth/auth.conf", "")
+    assert "account" not in _problems(docs)
+    _set_account(docs, "ACCOUNT")
+    assert "account 'ACCOUNT' is neither $G nor an account's public key" in _problems(docs)
+
+
+def test_an_account_that_is_not_the_run_account_of_the_exported_auth_conf_is_refused():
+    account, docs = _exported("gpu")[0], exported("gpu")
+    other = "A" + "B" * 55  # a well-formed key of no account this auth.conf knows
+    _set_account(docs, other)
+    assert f"account {other} is not the run account of the nats-auth Secret's auth.conf" in _problems(docs)
+    (system,) = re.findall(r"system_account: (A[A-Z2-7]{55})", _auth_conf(docs))
+    assert system != account
+    _set_account(docs, system)  # the system account holds no stream of the run
+    assert f"account {system} is not the run account" in _problems(docs)
+
+
+def _auth_conf(docs: list[dict]) -> str:
+    import base64
+
+    (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].startswith("nats-auth-")]
+    return base64.b64decode(secret["data"]["auth.conf"]).decode()
 
 
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
@@ -63,6 +140,12 @@ def test_the_overlay_holds_the_whole_deployment(overlay):
     assert trainer["spec"]["replicas"] == 1 and container(docs, "StatefulSet", "trainer")["args"] == ["trainer"]
     assert container(docs, "Deployment", "rewards")["securityContext"]["privileged"] is True
     assert container(docs, "Deployment", "archiver")["args"] == ["archiver"]
+    prompts = find(docs, "Deployment", "prompts")
+    assert prompts["spec"]["replicas"] == 1 and prompts["spec"]["strategy"] == {"type": "Recreate"}
+    assert container(docs, "Deployment", "prompts")["args"] == ["prompts"]
+    (creds,) = [v for v in prompts["spec"]["template"]["spec"]["volumes"] if v["name"] == "trainer-creds"]
+    # The trainer's NATS identity, not its signing key.
+    assert creds["secret"]["items"] == [{"key": "user.creds", "path": "user.creds"}]
     for view in ("bf16", "fp8_e4m3"):
         name = f"sampler-{view.replace('_', '-')}"
         sampler = container(docs, "Deployment", name)
@@ -101,6 +184,7 @@ def test_the_secrets_the_manifests_expect_are_the_documented_ones(overlay):
         "nats-auth",
         "sprawl-admin",
         "sprawl-trainer",
+        "sprawl-trainer-s3",
         "sprawl-join-sampler",
         "sprawl-join-rewards",
         "sprawl-join-archiver",
@@ -206,6 +290,26 @@ def test_a_scaledobject_keda_would_refuse_fails_the_vendored_schema():
     )
     assert "'minReplicas' was unexpected" in problems
     assert "ScaledObject/sampler-fp8-e4m3: KEDA schema: spec: 'triggers' is a required property" in problems
+
+
+def test_a_prompt_driver_that_could_race_or_holds_another_role_s_credentials_is_named():
+    docs = exported("cpu-demo")
+    prompts = find(docs, "Deployment", "prompts")
+    prompts["spec"]["replicas"] = 2
+    volumes = prompts["spec"]["template"]["spec"]["volumes"]
+    (admin_secret,) = [
+        v["secret"]["secretName"] for v in container_volumes(docs, "Job", "sprawl-infra-apply") if v["name"] == "admin"
+    ]
+    for volume in volumes:
+        if volume["name"] == "trainer-creds":
+            volume["secret"]["secretName"] = admin_secret
+    problems = _problems(docs)
+    assert "Deployment/prompts: the prompt driver must be 1 replica with the Recreate strategy" in problems
+    assert "`sprawl prompts` runs as trainer but its credentials come from Secret sprawl-admin" in problems
+
+
+def container_volumes(docs: list[dict], kind: str, name: str) -> list[dict]:
+    return find(docs, kind, name)["spec"]["template"]["spec"]["volumes"]
 
 
 def test_an_overlay_kustomize_cannot_render_is_an_error(tmp_path: Path):
