@@ -90,8 +90,15 @@ class ReportOptions(CommandOptions):
 
 
 class StackOptions(CommandOptions):
-    action: CliPositionalArg[Literal["up", "down", "status"]]
-    """`up` (start the local stack in the background), `down` (stop it) or `status` (where it runs)."""
+    action: CliPositionalArg[Literal["up", "down", "status", "export-kubernetes"]]
+    """`up` (start the local stack in the background), `down` (stop it), `status` (where it runs) or
+    `export-kubernetes DIR` (the stack's CA, accounts and run credentials as a kustomize overlay)."""
+    directory: CliPositionalArg[Path | None] = None
+    """For `export-kubernetes`: the folder to write (new or empty; it holds credentials)."""
+    namespace: str | None = None
+    """For `export-kubernetes`: the namespace (default: the overlay's: gpu -> sprawl, cpu-demo -> sprawl-demo)."""
+    overlay: Literal["gpu", "cpu-demo"] = "gpu"
+    """For `export-kubernetes`: the repository overlay the export builds on."""
     nats_cluster: int | None = None
     """For `up`: the log as this many JetStream servers (3: streams survive losing one); the same as
     `--stack.nats-cluster`."""
@@ -189,6 +196,8 @@ def cmd_stack(options: StackOptions, settings) -> int:
             {**settings.stack.model_dump(), "nats_cluster": options.nats_cluster}
         )
         settings = settings.model_copy(update={"stack": section})
+    if options.action == "export-kubernetes":
+        return _export_kubernetes(options, settings)
     if options.action == "up":
         st = stack.up(settings)
         if st.secure:
@@ -210,6 +219,27 @@ def cmd_stack(options: StackOptions, settings) -> int:
                 print("stack is not running")
             return 1
         _print_stack(st)
+    return 0
+
+
+def _export_kubernetes(options: StackOptions, settings) -> int:
+    from infra.deploy.kubernetes_export import export_kubernetes
+
+    if options.directory is None:
+        raise UsageError("export-kubernetes needs the folder to write", hint="sprawl stack export-kubernetes DIR")
+    done = export_kubernetes(
+        settings.state_dir / "stack",
+        options.directory,
+        run_id=settings.run_id,
+        namespace=options.namespace,
+        overlay=options.overlay,
+        signing_key_file=settings.trust.signing_key_file,
+    )
+    print(
+        f"wrote {done.directory}: overlay {done.overlay}, namespace {done.namespace}, run {done.run_id}, "
+        f"account {done.account}"
+    )
+    print(f"  kubectl apply -k {done.directory}")
     return 0
 
 
@@ -454,6 +484,13 @@ def cmd_trainer(options, settings) -> int:
     return 0
 
 
+def cmd_prompts(options, settings) -> int:
+    from workers.prompts.driver import run_prompts
+
+    asyncio.run(run_prompts(settings))
+    return 0
+
+
 def cmd_rewards(options, settings) -> int:
     from workers.rewards.worker import run_rewards
 
@@ -501,6 +538,11 @@ COMMANDS: dict[str, Command] = {
         "workers.sampler.settings:SidecarSettings",
     ),
     "trainer": Command("run the trainer", cmd_trainer, "workers.trainer.settings:TrainerSettings"),
+    "prompts": Command(
+        "publish the demo task's prompt groups ahead of the trainer",
+        cmd_prompts,
+        "workers.prompts.settings:PromptsSettings",
+    ),
     "rewards": Command(
         "run the reward worker (verifiers, sandboxed)", cmd_rewards, "workers.rewards.worker:RewardSettings"
     ),
@@ -583,6 +625,8 @@ def parse(argv: list[str]) -> Invocation:
 
 ROLE_OF_COMMAND = {
     "trainer": "trainer",
+    # The trainer role may publish prompt groups (infra/roles.py); a driver needs nothing more.
+    "prompts": "trainer",
     "sampler": "sampler",
     "sidecar": "sampler",
     "rewards": "rewards",
