@@ -26,11 +26,17 @@ from infra import stack
 from infra.nats_cluster import is_nats_node
 from infra.nats_server import node_for_server_name
 from infra.server_process import binary_of, pid_alive
-from infra.stack import StackSection
 from infra.streams import apply
 from pipeline.blobstore import open_blob_store
 from pipeline.blobstore.outage import blob_store_waits
-from pipeline.errors import AppendFailed, AppendUnavailable, BlobIntegrityError, BlobStoreError, BlobStoreUnavailable, StackError
+from pipeline.errors import (
+    AppendFailed,
+    AppendUnavailable,
+    BlobIntegrityError,
+    BlobStoreError,
+    BlobStoreUnavailable,
+    StackError,
+)
 from pipeline.eventlog import EventLog
 from pipeline.topology import PROMPTS
 from tests.servers import HANG_GUARD_S, auto_stack_settings
@@ -122,7 +128,7 @@ async def test_without_quorum_an_append_fails_loudly_and_every_acked_event_survi
         acked = [probe_group(run_id, k) for k in range(5)]
         for event in acked:
             await event_log.append(event)
-        leader, followers, _ = await stream_placement(event_log, PROMPTS.name)
+        _, followers, _ = await stream_placement(event_log, PROMPTS.name)
         for victim in followers:  # the leader stays, alone: it may not commit anything
             _kill(cluster, victim)
         refused = probe_group(run_id, 99)
@@ -171,7 +177,8 @@ def _counting_puts(store) -> list[int]:
 
 
 def test_a_refused_write_is_not_waited_out_as_an_outage(cluster):
-    blobs = cluster.blobs.model_copy(update={"secret_access_key": SecretStr("not-the-secret"), "outage_patience_s": 600.0})
+    wrong_secret = {"secret_access_key": SecretStr("not-the-secret"), "outage_patience_s": 600.0}
+    blobs = cluster.blobs.model_copy(update=wrong_secret)
     store = open_blob_store(blobs)
     puts = _counting_puts(store)
     with pytest.raises(BlobStoreError) as refused:
