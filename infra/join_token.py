@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import secrets
 import time
@@ -28,6 +29,7 @@ from infra.nats_auth import signal_reload
 from infra.nats_permissions import inbox_prefix
 from infra.pki import write_private
 from infra.roles import Role
+from infra.server_process import is_running
 from infra.stack import admin_blobs
 from infra.stack_security import StackSecurity
 from infra.stack_state import StackStatus, stack_dir
@@ -183,10 +185,21 @@ def revoke_token(settings: SprawlSettings, st: StackStatus, token_id: str) -> li
     security = StackSecurity(directory)
     security.authority.revoke(entry["nats_user"])
     security.write_auth_conf()
+    # Every node holds the revocation list in its own config: each live one reloads it now, and a dead
+    # one reads it when `stack up` starts it again (before it takes a client).
     nodes = st.nats_servers()
-    for node in nodes:  # every node holds the revocation list in its own config: each reloads it
-        signal_reload(node.pid)
-    reloaded = "nats-server reloaded" if len(nodes) == 1 else f"all {len(nodes)} nats-server nodes reloaded"
+    live = [node for node in nodes if is_running(node)]
+    for node in live:
+        with contextlib.suppress(ProcessLookupError):  # died since: it reads the file when restarted
+            signal_reload(node.pid)
+    if len(nodes) == 1:
+        reloaded = "nats-server reloaded" if live else "nats-server is down: it reads it when started"
+    else:
+        reloaded = (
+            f"{len(live)} of {len(nodes)} nats-server nodes reloaded"
+            if len(live) < len(nodes)
+            else (f"all {len(nodes)} nats-server nodes reloaded")
+        )
     done = [f"NATS user {entry['nats_user'][:12]}… revoked ({reloaded})"]
     if s3_identities.revoke_token_identity(admin_blobs(settings, st), token_id):
         done.append(f"S3 identity {entry['s3_identity']} deleted")

@@ -106,6 +106,15 @@ def status(settings: SprawlSettings) -> StackStatus | None:
     return recorded
 
 
+def partly_running(settings: SprawlSettings) -> StackStatus | None:
+    """The stack recorded under this state dir while at least one of its servers runs (a half-dead one
+    included), or None: for what must act on the live part now (a revocation reaches the live nodes)."""
+    recorded = read_state(stack_dir(settings))
+    if recorded is None or not any(is_running(s) for s in recorded.servers):
+        return None
+    return recorded
+
+
 def dead_servers(settings: SprawlSettings) -> list[ServerRecord]:
     """The servers recorded under this state dir that are no longer running."""
     recorded = read_state(stack_dir(settings))
@@ -232,7 +241,9 @@ def admin_blobs(settings: SprawlSettings, st: StackStatus) -> S3BlobSettings:
 def with_role(settings: SettingsT, role: Role | str) -> SettingsT:
     """`settings` as `role` on the secure stack running under its state dir; unchanged otherwise (no
     stack here, or one without identities)."""
-    st = status(settings)
+    # A half-dead stack too: a cluster with one node down still serves, and a worker dialling the
+    # recorded URLs fails (or fails over) visibly instead of dialling the default port.
+    st = partly_running(settings)
     return with_endpoints(settings, st, role) if st is not None and st.secure else settings
 
 

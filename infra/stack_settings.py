@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from infra.ports import SEAWEED_SPAN, Port, seaweed_ports
 from pipeline.config import MIB, S3BlobSettings, Section, SprawlSettings
@@ -19,9 +19,10 @@ class StackSection(Section):
     nats_monitor_port: Port = Field(8222, validate_default=True)
     """NATS HTTP monitoring port (health checks); 0: any free port."""
     nats_cluster: Literal[1, 3, 5] = 1
-    """JetStream servers on this machine. 3 (or 5) make a cluster whose streams, given as many replicas
-    (`streams.replicas`), survive losing one (two) of them; node k (from 1) listens on nats_port + k - 1,
-    nats_monitor_port + k - 1 and nats_cluster_port + k - 1 (ports that are 0 stay 0: chosen at start)."""
+    """JetStream servers on this machine. 3 make a cluster whose streams (3 replicas, `streams.replicas`)
+    survive losing any one; with 5 the cluster's metadata survives losing two, each stream still one
+    unless `streams.replicas` is 5. Node k (from 1) listens on nats_port + k - 1, nats_monitor_port + k - 1
+    and nats_cluster_port + k - 1 (ports that are 0 stay 0: chosen at start)."""
     nats_cluster_port: Port = Field(6222, validate_default=True)
     """First node's route port (the servers' links to one another; with 3 nodes also the next two);
     0: free ports chosen at start. Unused with one node."""
@@ -68,6 +69,30 @@ class StackSection(Section):
         if clashes:
             raise ValueError(f"the same port as {' and '.join(clashes)}: the stack's fixed ports must differ")
         return value
+
+    @model_validator(mode="after")
+    def _node_blocks_differ(self) -> StackSection:
+        """A cluster's nodes take a block of each port (node k: base + k): no two may meet."""
+        seen: dict[int, str] = {}
+        for name, port in _node_ports(self).items():
+            if port in seen:
+                raise ValueError(
+                    f"{name} is port {port}, also {seen[port]}: with nats_cluster = {self.nats_cluster} each of "
+                    "nats_port, nats_monitor_port and nats_cluster_port takes that many ports from its base"
+                )
+            seen[port] = name
+        return self
+
+
+def _node_ports(section: StackSection) -> dict[str, int]:
+    """Every fixed port the log's nodes take, by what takes it."""
+    ports = {}
+    for k in range(section.nats_cluster):
+        for field in ("nats_port", "nats_monitor_port", "nats_cluster_port"):
+            base = getattr(section, field)
+            if base and (field != "nats_cluster_port" or section.nats_cluster > 1):
+                ports[f"{field} + {k}" if k else field] = base + k
+    return ports
 
 
 class StackSettings(SprawlSettings):

@@ -33,19 +33,28 @@ def replicas(stream: Stream, settings: StreamSettings) -> int:
     return settings.replicas if settings.replicas is not None else 1
 
 
-def cluster_size(nc) -> int:
-    """How many servers the connected log has: its INFO lists every node's client URL (`connect_urls`)
-    when it is a cluster. A cluster that hides them (`no_advertise`) counts as one: set
-    `streams.replicas` explicitly there."""
+def is_cluster(nc) -> bool:
+    """Is the connected log a cluster? Its INFO names the cluster and lists the client URLs of the
+    servers that are up (`connect_urls`). Only whether it is one is read from there, never its size: a
+    node that is down at the moment is missing from the list. A cluster that hides the URLs
+    (`no_advertise`) counts as one server: set `streams.replicas` explicitly there."""
     info = nc._server_info  # nats.py keeps the server's INFO here and offers no public accessor
-    return max(1, len(info.get("connect_urls") or [])) if info.get("cluster") else 1
+    return bool(info.get("cluster")) and len(info.get("connect_urls") or []) >= 2
 
 
-def resolved(settings: StreamSettings, nc) -> StreamSettings:
-    """`settings` with `replicas` decided: 3 on a cluster of 3 or more servers, 1 on one server."""
+async def resolved(settings: StreamSettings, js) -> StreamSettings:
+    """`settings` with `replicas` decided when it is None: 3 on a cluster, 1 on one server, and never
+    fewer than a declared stream already has (a node being down while `apply` runs must not scale the
+    log's streams down)."""
     if settings.replicas is not None:
         return settings
-    return settings.model_copy(update={"replicas": 3 if cluster_size(nc) >= 3 else 1})
+    wanted = 3 if is_cluster(js._nc) else 1
+    for stream in STREAMS:
+        try:
+            wanted = max(wanted, (await js.stream_info(stream.name)).config.num_replicas or 1)
+        except NotFoundError:
+            continue
+    return settings.model_copy(update={"replicas": wanted})
 
 
 def dedup_floor_s(log: LogSettings, nats: NatsSettings) -> float:
@@ -168,7 +177,7 @@ async def apply(
     None: the defaults. Raises StreamUpgradeRefused, changing nothing on that stream, where limiting an
     existing stream to one message per subject would delete messages."""
     report = ApplyReport()
-    settings = resolved(settings, js._nc)
+    settings = await resolved(settings, js)
     floor = dedup_floor_s(log or LogSettings(), nats or NatsSettings())
     for stream in STREAMS:
         wanted = stream_config(stream, settings, floor)

@@ -88,6 +88,13 @@ class NatsSettings(Section):
     """Timeout of one connection attempt."""
     reconnect_wait_s: float = Field(0.5, ge=0)
     """Wait between reconnect attempts; once connected, the client reconnects forever."""
+    ping_interval_s: float = Field(5.0, gt=0)
+    """How often the client pings its server. A server that stalls (a frozen VM, a SIGSTOPped process)
+    keeps its TCP connection open: only unanswered pings tell the client to move to another server of
+    the cluster (nats-py's default, 120 s, left clients on a frozen node for minutes)."""
+    max_outstanding_pings: int = Field(3, ge=1)
+    """Unanswered pings after which the connection counts as dead and the client reconnects elsewhere:
+    a stalled server is left after about ping_interval_s x (this + 1)."""
     connect_attempts: int = Field(3, ge=2)
     """Attempts per server of the first connection before giving up with an error (the worker
     exits non-zero and its supervisor restarts it, visibly); at least 2, as the client counts."""
@@ -201,8 +208,9 @@ class LogSettings(Section):
 
 class StreamSettings(Section):
     replicas: int | None = Field(None, ge=1, le=5)
-    """Stream and consumer replicas (JetStream allows at most 5). None: 3 when the log is a cluster of
-    3 or more servers (a stream then survives losing one), 1 when it is one server."""
+    """Stream and consumer replicas (JetStream allows at most 5). None: 3 when the log is a cluster (a
+    stream then survives losing one of its servers; a cluster of fewer than 3 cannot place it and
+    `apply` fails loudly), 1 when it is one server, never fewer than a declared stream already has."""
     duplicate_window_s: float = Field(120.0, gt=0)
     """How long JetStream remembers a Nats-Msg-Id to drop re-published events."""
     policy_duplicate_window_s: float = Field(24 * 3600.0, gt=0)

@@ -66,6 +66,10 @@ _ERR_WRONG_LAST_SEQUENCE = 10071
 _ERR_WRONG_LAST_MSG_ID = 10070
 _ERR_NO_STREAM_MATCH = 10060
 _ERR_SUBJECT_FULL = 10077
+_ERR_DUPLICATE_IN_PROCESS = 10158
+"""'duplicate message id is in process': an earlier attempt of this append (same Nats-Msg-Id) is still
+being stored (a leader change, a replica catching up). Not a refusal: it may land; asked again later,
+the server answers with its position (a duplicate) or takes it."""
 """'maximum messages per subject exceeded': a one-message-per-subject stream already holds this subject."""
 
 PUBLISH_BACKOFF_CAP_S = 1.0
@@ -113,6 +117,8 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
         "max_reconnect_attempts": settings.connect_attempts - 1,
         "allow_reconnect": True,
         "inbox_prefix": settings.inbox_prefix,
+        "ping_interval": settings.ping_interval_s,
+        "max_outstanding_pings": settings.max_outstanding_pings,
     }
     if settings.user:
         options["user"] = settings.user
@@ -155,7 +161,7 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
 
     callbacks = {"disconnected_cb": on_disconnected, "reconnected_cb": on_reconnected, "closed_cb": on_closed}
     try:
-        await nc.connect(error_cb=on_error, **callbacks, **options)
+        await _connect_unless_refused(nc, watch, error_cb=on_error, **callbacks, **options)
     except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
         if watch.identity_refused.is_set() or _refuses_identity(str(nc.last_error)):
             raise LogIdentityRefused(watch.refusal_reason or str(nc.last_error)) from exc
@@ -197,6 +203,27 @@ class ConnectionWatch:
             self.refusal_reason = reason
             self.identity_refused.set()
             log.error("the log refused this identity (revoked, expired or unknown)", error=reason)
+
+
+async def _connect_unless_refused(nc: NATS, watch: ConnectionWatch, **options) -> None:
+    """`nc.connect(**options)`, ended as soon as a server refuses the credentials. A refusal is final (a
+    revoked or expired token); against a cluster, nats-py would otherwise try every node it learns
+    about from the others' INFO, again and again, and the first connect would never return."""
+    connecting = asyncio.ensure_future(nc.connect(**options))
+    refused = asyncio.ensure_future(watch.identity_refused.wait())
+    try:
+        await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        refused.cancel()
+    if connecting.done():
+        connecting.result()  # raises what the connect raised
+        return
+    connecting.cancel()
+    with contextlib.suppress(asyncio.CancelledError, *NO_ANSWER, nats.errors.Error):
+        await connecting
+    with contextlib.suppress(*NO_ANSWER, nats.errors.Error):
+        await nc.close()
+    raise LogIdentityRefused(watch.refusal_reason)
 
 
 def connection_watch(nc: NATS) -> ConnectionWatch:
@@ -405,7 +432,11 @@ class EventLog:
                     raise StreamNotDeclared(subject) from exc
                 if exc.err_code == _ERR_SUBJECT_FULL:
                     raise _SubjectFull(subject) from exc  # a verdict, not a hiccup: never retried
-                raise AppendFailed(f"JetStream refused the append to {subject}: {exc}") from exc
+                # A 503 (JetStream busy electing a leader) is no answer either, like no responders.
+                busy = isinstance(exc, nats.js.errors.ServiceUnavailableError)
+                if not busy and exc.err_code != _ERR_DUPLICATE_IN_PROCESS:
+                    raise AppendFailed(f"JetStream refused the append to {subject}: {exc}") from exc
+                last_error = exc  # an earlier attempt is still being stored: asked again
             except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError) as exc:
                 # No stream listens (yet): either it is not declared or the server is restarting.
                 last_error = exc

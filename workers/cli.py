@@ -276,15 +276,19 @@ def cmd_token(options: TokenOptions, settings) -> int:
                 state = "expired"
             print(f"{token_id}  {entry['role']:<9} run {entry['run_id']}  {state}")
         return 0
-    st = stack.status(settings)
-    if st is None:
-        raise SprawlError("the stack is not running here", hint="`sprawl stack up` (or `sprawl up`) first")
     if options.action == "revoke":
         if not options.token_id:
             raise UsageError("`sprawl token revoke` needs the token's ID", hint="`sprawl token list` shows them")
-        for line in join_token.revoke_token(settings, st, options.token_id):
+        # A half-dead stack too: the live servers must drop the token now, not after a repair.
+        partial = stack.partly_running(settings)
+        if partial is None:
+            raise SprawlError("the stack is not running here", hint="`sprawl stack up` (or `sprawl up`) first")
+        for line in join_token.revoke_token(settings, partial, options.token_id):
             print(line)
         return 0
+    st = stack.status(settings)
+    if st is None:
+        raise SprawlError("the stack is not running here", hint="`sprawl stack up` (or `sprawl up`) first")
     public_key = run_trust(settings).verifier.version_public_key
     if public_key is None:
         raise SprawlError(

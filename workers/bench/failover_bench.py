@@ -8,6 +8,8 @@ prompt groups, the samplers' consumer applying them) and injects one fault while
   election; the server is started again (`stack up` repairs it, on its ports, from its store) and
   must catch up;
 - `follower_kill`: the same with a server that follows it;
+- `leader_stall`: SIGSTOP that leader for as long as the S3 outage, then SIGCONT (a frozen machine:
+  its connections stay open, only pings reveal it);
 - `s3_outage`: SeaweedFS stopped for 30 s (`--quick`: 10 s) while every append goes through a claim
   check (the event's body is stored in S3 first), then started again.
 
@@ -160,6 +162,33 @@ def kill_stream_server(which: str) -> Fault:
     return inject
 
 
+def stall_stream_leader(seconds: float) -> Fault:
+    """SIGSTOP the prompts stream's leader for `seconds`, then SIGCONT: a frozen machine, whose TCP
+    connections stay open, so only the clients' unanswered pings and the cluster's missed heartbeats
+    reveal it. Returns how long it was frozen."""
+
+    async def inject(settings: StackSettings, event_log: EventLog) -> float:
+        leader, _ = await wait_placed(event_log, PROMPTS.name, 3, GUARD_S)
+        status = stack.status(settings)
+        if status is None:
+            raise SprawlError("the cluster is not running")
+        pid = status.server(node_for_server_name(leader)).pid
+        log.warning("SIGSTOP", server=leader, pid=pid, seconds=seconds)
+        started = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)  # the stall's length is the fault itself
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return time.monotonic() - started
+
+    return inject
+
+
+async def nothing(settings: StackSettings, event_log: EventLog) -> None:
+    """No healing needed: the fault ended by itself."""
+
+
 async def restart_dead(settings: StackSettings, event_log: EventLog) -> None:
     """`sprawl stack up` on the half-dead stack: the dead server starts again on its ports."""
     await asyncio.to_thread(stack.up, settings)
@@ -185,12 +214,14 @@ async def failover_figures(state_dir: Path, *, outage_s: float) -> dict[str, Pro
     scenarios: dict[str, tuple[Fault, int]] = {
         "leader_kill": (kill_stream_server("leader"), 0),
         "follower_kill": (kill_stream_server("follower"), 0),
+        "leader_stall": (stall_stream_leader(outage_s), 0),
         "s3_outage": (_seaweed_outage_probe(outage_s), 2048),
     }
     figures = {}
     try:
         for name, (fault, pad_bytes) in scenarios.items():
-            figures[name] = await run_scenario(settings, fault, restart_dead, pad_bytes=pad_bytes)
+            heal = nothing if name == "leader_stall" else restart_dead
+            figures[name] = await run_scenario(settings, fault, heal, pad_bytes=pad_bytes)
             log.info("failover scenario", scenario=name, **figures[name].summary())
         return figures
     finally:
