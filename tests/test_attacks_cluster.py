@@ -41,8 +41,7 @@ from pipeline.eventlog import EventLog
 from pipeline.topology import PROMPTS
 from tests.servers import HANG_GUARD_S, auto_stack_settings
 from workers.bench.failover_bench import stream_placement, wait_placed
-from workers.bench.failover_probe import probe_group
-from workers.bench.faults.ledger import scan_stream
+from workers.bench.failover_probe import probe_group, scan_patiently
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +87,8 @@ async def _repair(cluster, event_log: EventLog) -> None:
 
 
 async def _stored_ids(event_log: EventLog, run_id: str) -> Counter:
-    return Counter(m.event.event_id for m in await scan_stream(event_log, PROMPTS, run_id) if m.event is not None)
+    stored = await scan_patiently(event_log, run_id, HANG_GUARD_S)  # the API may pause after a leader change
+    return Counter(m.event.event_id for m in stored if m.event is not None)
 
 
 async def test_an_event_retried_after_its_leader_died_is_a_duplicate_not_a_second_event(cluster):

@@ -122,7 +122,7 @@ async def run_scenario(
         await probe.wait_acks(acks, after=healed_at, guard_s=guard_s, what="appends after healing")
         await probe.stop_appending()
         await probe.wait_applied(guard_s)
-        outcome = await probe.outcome(fault_at)
+        outcome = await probe.outcome(fault_at, guard_s)
         outcome.down_s = down_s
         return outcome
     finally:

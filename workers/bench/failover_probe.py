@@ -21,9 +21,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import nats.errors
+
 from pipeline.consumer import Consumer, Delivery
 from pipeline.errors import SprawlError
-from pipeline.eventlog import EventLog
+from pipeline.eventlog import NO_ANSWER, EventLog
 from pipeline.logs import get_logger
 from pipeline.topology import PROMPTS, ConsumerRole, consumer_for
 from schemas import PromptGroup, SamplingParams
@@ -79,6 +81,21 @@ def probe_group(run_id: str, index: int, pad_bytes: int = 0) -> PromptGroup:
         answer=str(index),
         metadata={"pad": "x" * pad_bytes} if pad_bytes else {},
     )
+
+
+async def scan_patiently(event_log: EventLog, run_id: str, guard_s: float) -> list:
+    """Every probe event stored for `run_id`, in order. Right after a leader change the JetStream API
+    may not answer the scan's consumer requests for a while (the cluster settling): asked again until
+    `guard_s` runs out, then the last error is raised."""
+    deadline = time.monotonic() + guard_s
+    while True:
+        try:
+            return await scan_stream(event_log, PROMPTS, run_id)
+        except (*NO_ANSWER, nats.errors.Error) as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.info("stream scan waits for the cluster", error=repr(exc)[:200])
+            await asyncio.sleep(1.0)
 
 
 @dataclass
@@ -161,9 +178,9 @@ class AppendProbe:
         while set(self.acked_at) - set(self.applied) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
 
-    async def outcome(self, fault_at: float) -> ProbeOutcome:
+    async def outcome(self, fault_at: float, guard_s: float = 180.0) -> ProbeOutcome:
         """What happened, the fault having started at monotonic time `fault_at`."""
-        stored = await scan_stream(self.producer, PROMPTS, self.run_id)
+        stored = await scan_patiently(self.producer, self.run_id, guard_s)
         positions = Counter(m.event.event_id for m in stored if m.event is not None)
         times = sorted(self.acked_at.values())
         gaps = [b - a for a, b in itertools.pairwise(times)]
