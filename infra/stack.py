@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from infra.nats_cluster import is_nats_node, start_nats_nodes
+from infra.nats_cluster import start_nats_nodes
 from infra.nats_server import start_nats
 from infra.ports import SEAWEED_SPAN, Port, free_seaweed_base, port_is_free, s3_port_of, seaweed_ports
 from infra.roles import Role
@@ -32,6 +32,7 @@ from infra.server_process import (
     BINARIES,
     ServerRecord,
     binary_of,
+    is_nats_node,
     is_running,
     pid_alive,
     require_binaries,

@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from infra.nats_cluster import is_nats_node, wait_current
+from infra.nats_cluster import wait_current
 from infra.nats_server import node_of, spawn_nats, wait_nats_ready
 from infra.ports import free_seaweed_base, port_is_free, port_of, seaweed_ports
 from infra.seaweed import spawn_seaweed, wait_seaweed
-from infra.server_process import ServerRecord, binary_of, is_running, stop_servers
+from infra.server_process import ServerRecord, binary_of, is_nats_node, is_running, stop_servers
 from infra.stack_settings import StackSettings, s3_settings
 from infra.stack_state import StackStatus, write_state
 from pipeline.errors import StackError

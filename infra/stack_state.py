@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from infra.server_process import ServerRecord
+from infra.server_process import ServerRecord, is_nats_node
 from pipeline.config import SprawlSettings
 
 
@@ -34,7 +34,7 @@ class StackStatus:
 
     def nats_servers(self) -> list[ServerRecord]:
         """The log's nodes: one server, or a cluster's (`nats`, `nats-2`, ...)."""
-        return [s for s in self.servers if s.name == "nats" or s.name.startswith("nats-")]
+        return [s for s in self.servers if is_nats_node(s)]
 
 
 def stack_dir(settings: SprawlSettings) -> Path:

@@ -49,6 +49,17 @@ def auto_stack_settings(state_dir: Path, run_id: str = "test", **ports: int) -> 
     )
 
 
+@contextlib.contextmanager
+def running_cluster(state_dir: Path, run_id: str):
+    """A 3-node log cluster (and SeaweedFS) on free ports; the settings yielded point at it."""
+    settings = auto_stack_settings(state_dir, run_id, nats_cluster=3, nats_cluster_port=0)
+    running = stack.up(settings)
+    try:
+        yield stack.with_endpoints(settings, running)
+    finally:
+        stack.down(settings)
+
+
 def start_stack(state_dir: Path, run_id: str = "test") -> StackSettings:
     """Start a stack on free ports; the settings returned point at it."""
     settings = auto_stack_settings(state_dir, run_id)

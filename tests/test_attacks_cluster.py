@@ -23,9 +23,8 @@ import pytest
 from pydantic import SecretStr
 
 from infra import stack
-from infra.nats_cluster import is_nats_node
 from infra.nats_server import node_for_server_name
-from infra.server_process import binary_of, pid_alive
+from infra.server_process import binary_of, is_nats_node, pid_alive
 from infra.streams import apply
 from pipeline.blobstore import open_blob_store
 from pipeline.blobstore.outage import blob_store_waits
@@ -39,20 +38,15 @@ from pipeline.errors import (
 )
 from pipeline.eventlog import EventLog
 from pipeline.topology import PROMPTS
-from tests.servers import HANG_GUARD_S, auto_stack_settings
+from tests.servers import HANG_GUARD_S, auto_stack_settings, running_cluster
 from workers.bench.failover_bench import stream_placement, wait_placed
 from workers.bench.failover_probe import probe_group, scan_patiently
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    state_dir = tmp_path_factory.mktemp("attack-cluster")
-    settings = auto_stack_settings(state_dir, "attack", nats_cluster=3, nats_cluster_port=0)
-    running = stack.up(settings)
-    try:
-        yield stack.with_endpoints(settings, running)
-    finally:
-        stack.down(settings)
+    with running_cluster(tmp_path_factory.mktemp("attack-cluster"), "attack") as settings:
+        yield settings
 
 
 async def _declared_log(cluster, run_id: str, worker: str) -> EventLog:

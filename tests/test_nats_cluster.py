@@ -14,27 +14,22 @@ import ssl
 import pytest
 
 from infra import stack
-from infra.nats_cluster import is_nats_node
+from infra.server_process import is_nats_node
 from infra.stack import StackSection
 from infra.stack_security import StackSecurity
 from infra.streams import apply
 from pipeline.errors import LogIdentityRefused, LogUnavailable, StackError
 from pipeline.eventlog import EventLog
 from pipeline.topology import STREAMS, consumers_of_run
-from tests.servers import HANG_GUARD_S, auto_stack_settings
+from tests.servers import HANG_GUARD_S, running_cluster
 from workers.bench.failover_bench import kill_stream_server, restart_dead, run_scenario
 from workers.cli import main
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    state_dir = tmp_path_factory.mktemp("cluster")
-    settings = auto_stack_settings(state_dir, "cluster-test", nats_cluster=3, nats_cluster_port=0)
-    running = stack.up(settings)
-    try:
-        yield stack.with_endpoints(settings, running)
-    finally:
-        stack.down(settings)
+    with running_cluster(tmp_path_factory.mktemp("cluster"), "cluster-test") as settings:
+        yield settings
 
 
 async def test_streams_and_consumers_get_three_replicas_on_a_cluster(cluster):

@@ -146,18 +146,23 @@ async def _apply_patiently(event_log: EventLog, run: StackSettings, guard_s: flo
             await asyncio.sleep(1.0)
 
 
+def _pid_of(settings: StackSettings, server_name: str) -> int:
+    """The pid of the cluster node a stream placement names (`sprawl_local_2`, ...)."""
+    status = stack.status(settings)
+    if status is None:
+        raise SprawlError("the cluster is not running", hint="a scenario before this one left it half-dead")
+    return status.server(node_for_server_name(server_name)).pid
+
+
 def kill_stream_server(which: str) -> Fault:
     """SIGKILL the server that leads (`leader`) or follows (`follower`) the prompts stream."""
 
     async def inject(settings: StackSettings, event_log: EventLog) -> None:
         leader, followers = await wait_placed(event_log, PROMPTS.name, 3, GUARD_S)
         victim = leader if which == "leader" else followers[0]
-        status = stack.status(settings)
-        if status is None:
-            raise SprawlError("the cluster is not running", hint="a scenario before this one left it half-dead")
-        record = status.server(node_for_server_name(victim))
-        log.warning("SIGKILL", server=victim, role=which, pid=record.pid)
-        os.kill(record.pid, signal.SIGKILL)
+        pid = _pid_of(settings, victim)
+        log.warning("SIGKILL", server=victim, role=which, pid=pid)
+        os.kill(pid, signal.SIGKILL)
 
     return inject
 
@@ -169,10 +174,7 @@ def stall_stream_leader(seconds: float) -> Fault:
 
     async def inject(settings: StackSettings, event_log: EventLog) -> float:
         leader, _ = await wait_placed(event_log, PROMPTS.name, 3, GUARD_S)
-        status = stack.status(settings)
-        if status is None:
-            raise SprawlError("the cluster is not running")
-        pid = status.server(node_for_server_name(leader)).pid
+        pid = _pid_of(settings, leader)
         log.warning("SIGSTOP", server=leader, pid=pid, seconds=seconds)
         started = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
