@@ -13,10 +13,12 @@ from schemas import (
     DeadLetter,
     Event,
     GroupDropped,
+    IslandDrift,
     IslandHeartbeat,
     PolicyVersion,
     PromptGroup,
     Reward,
+    StabilityResult,
     TrainerCheckpoint,
     TrainerLease,
     TrainerMetrics,
@@ -44,6 +46,8 @@ _VIEW_EVENTS: dict[str, type[Event]] = {
     "checkpoints": TrainerCheckpoint,
     "dropped_groups": GroupDropped,
     "leases": TrainerLease,
+    "island_drift": IslandDrift,
+    "stability": StabilityResult,
 }
 VIEWS: dict[str, str] = {name: cls.type_tag() for name, cls in _VIEW_EVENTS.items()} | {"undecodable": UNDECODABLE}
 """View name -> the archived event type it reads."""

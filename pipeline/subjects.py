@@ -18,10 +18,12 @@ from schemas import (
     DeadLetter,
     Event,
     GroupDropped,
+    IslandDrift,
     IslandHeartbeat,
     PolicyVersion,
     PromptGroup,
     Reward,
+    StabilityResult,
     TrainerCheckpoint,
     TrainerLease,
     TrainerMetrics,
@@ -105,6 +107,10 @@ def subject_for(event: Event) -> str:
             return run_subject(run, Kind.HEARTBEATS, token(event.island.island_id, "island_id"))
         case TrainerMetrics():
             return run_subject(run, Kind.METRICS, "trainer")
+        case IslandDrift():
+            return run_subject(run, Kind.METRICS, "drift")
+        case StabilityResult():
+            return run_subject(run, Kind.METRICS, "stability")
         case DeadLetter():
             return dead_letter_subject(run, event.stream, event.original_seq)
         case TrainerCheckpoint():

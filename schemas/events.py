@@ -334,6 +334,50 @@ class TrainerMetrics(Event, kw_only=True, tag="trainer_metrics.v1"):
     """Metrics per sampler group (island view/accelerator), e.g. KL by precision."""
 
 
+class IslandDrift(Event, kw_only=True, tag="island_drift.v1"):
+    """The trainer's drift guard changed its verdict on an island: flagged (its sampler-trainer KL over
+    the window exceeds the fleet's robust baseline by the configured factor) or recovered."""
+
+    island_id: Token
+    view: str = ""
+    state: Literal["flagged", "recovered"]
+    version: VersionNumber
+    """The trainer version whose update made the verdict."""
+    kl_k3: Annotated[float, msgspec.Meta(ge=0)]
+    """The island's token-weighted k3 KL over the window."""
+    ess_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)]
+    """The island's effective sample size ratio over the window."""
+    baseline_kl_k3: Annotated[float, msgspec.Meta(ge=0)]
+    """The fleet's robust baseline (median over islands, floored) it was compared with."""
+    factor: Annotated[float, msgspec.Meta(gt=0)]
+    quarantined: bool = False
+    """True: the island's trajectories leave the loss until it recovers."""
+
+    def business_key(self) -> str:
+        return f"drift.{self.island_id}.v{self.version}.{self.state}"
+
+
+class StabilityResult(Event, kw_only=True, tag="stability_result.v1"):
+    """One run of `sprawl experiment stability`: its cell, its seed, and what the collapse rule found."""
+
+    experiment_id: Token
+    fleet: Token
+    correction: NonEmpty
+    seed: Count
+    updates: Count
+    collapsed: bool
+    updates_to_collapse: Count | None = None
+    start_reward: float
+    final_reward: float
+    kl_mean: float
+    collapse_rule: NonEmpty
+    stress: dict[str, float] = {}
+    """The stress levels this run had (staleness, temperatures, top-p)."""
+
+    def business_key(self) -> str:
+        return f"stability.{self.experiment_id}.{self.fleet}.{self.correction}.{self.seed}"
+
+
 class TrainerCheckpoint(Event, kw_only=True, tag="trainer_checkpoint.v1"):
     """The trainer's state after publishing `version` is durable at `uri` (blob first, event second)."""
 
@@ -412,4 +456,6 @@ CURRENT_EVENTS: tuple[type[Event], ...] = (
     TrainerCheckpoint,
     GroupDropped,
     TrainerLease,
+    IslandDrift,
+    StabilityResult,
 )
