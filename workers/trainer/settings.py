@@ -36,6 +36,10 @@ class TrainerSection(Section):
     """GRPO: divide group-centered rewards by the group std."""
     routing_replay: bool = False
     """Force the experts the sampler routed to (MoE)."""
+    train_temperature: float | None = Field(None, gt=0)
+    """The temperature the trainer computes its logprobs at. None: each trajectory's own sampling
+    temperature (trainer and sampler agree). A different value is a sampler-trainer mismatch on purpose,
+    as a fleet configured apart from its trainer has; `sprawl experiment stability` uses it as stress."""
     max_staleness: int | None = Field(None, ge=0)
     """Tokens staler than this leave the loss; None: unbounded."""
     checkpoint_every: int = Field(10, ge=1)

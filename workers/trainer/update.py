@@ -58,7 +58,11 @@ def token_staleness(trajectory: Trajectory, trainer_version: int) -> list[int]:
 
 
 def build_tensors(
-    trajectories: list[Trajectory], vocab: int, trainer_version: int, max_staleness: int | None
+    trajectories: list[Trajectory],
+    vocab: int,
+    trainer_version: int,
+    max_staleness: int | None,
+    train_temperature: float | None = None,
 ) -> BatchTensors:
     batch = len(trajectories)
     seq_len = max(len(t.prompt_token_ids) + len(t.output_token_ids) - 1 for t in trajectories)
@@ -90,7 +94,10 @@ def build_tensors(
         positions[i, :out] = torch.arange(prompt - 1, prompt - 1 + out)
         targets[i, :out] = torch.tensor(t.output_token_ids)
         sampler_logp[i, :out] = torch.tensor(t.logprobs)
-        temperature[i] = t.sampling.temperature if t.sampling.temperature > 0 else 1.0
+        if train_temperature is not None:
+            temperature[i] = train_temperature
+        else:
+            temperature[i] = t.sampling.temperature if t.sampling.temperature > 0 else 1.0
         stale = token_staleness(t, trainer_version)
         staleness[i, :out] = torch.tensor(stale)
         loss_mask = t.loss_mask if t.loss_mask is not None else [1] * out
@@ -143,7 +150,7 @@ def run_update(
     rewards = torch.tensor([[r.value for r in item.rewards] for item in batch], dtype=torch.float32)
     advantages = grpo_advantages(rewards, normalize_std=cfg.normalize_std).reshape(-1)
     vocab = model.config.vocab_size
-    bt = build_tensors(trajectories, vocab, trainer_version, cfg.max_staleness)
+    bt = build_tensors(trajectories, vocab, trainer_version, cfg.max_staleness, cfg.train_temperature)
     model.train()
     if cfg.routing_replay and bt.routed is not None and bt.routed_valid is not None:
         with replay_routing(model, bt.routed, bt.routed_valid):

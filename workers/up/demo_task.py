@@ -152,7 +152,16 @@ ANSWER_FORMAT = r"\d+"
 """What a well-formed answer looks like (the verifier counts the rest as format errors)."""
 
 
-def prompt_group(run_id: str, index: int, cfg: TaskSettings, *, n_samples: int, top_p: float, top_logprobs: int):
+def prompt_group(
+    run_id: str,
+    index: int,
+    cfg: TaskSettings,
+    *,
+    n_samples: int,
+    top_p: float,
+    top_logprobs: int,
+    temperature: float = 1.0,
+):
     """The run's `index`-th prompt group: the same problem for the same (run, index), so a re-published
     group deduplicates in the log instead of becoming a second, different group."""
     from schemas import PromptGroup, SamplingParams
@@ -168,7 +177,7 @@ def prompt_group(run_id: str, index: int, cfg: TaskSettings, *, n_samples: int, 
         prompt_token_ids=[BOS, *tokenizer.encode(prompt).ids],
         n_samples=n_samples,
         sampling=SamplingParams(
-            temperature=1.0, top_p=top_p, max_new_tokens=cfg.digits + 2, logprobs_top_k=top_logprobs
+            temperature=temperature, top_p=top_p, max_new_tokens=cfg.digits + 2, logprobs_top_k=top_logprobs
         ),
         answer=answer,
         metadata={"answer_format": ANSWER_FORMAT, "digits": str(cfg.digits)},

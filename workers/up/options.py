@@ -46,6 +46,9 @@ class PromptSection(Section):
 
     top_p: float = Field(0.95, gt=0, le=1)
     """Nucleus sampling threshold the islands sample with (the kept set is what mask replay replays)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature the islands sample with (the trainer computes at the same one unless
+    `trainer.train_temperature` says otherwise)."""
     groups_ahead: int = Field(16, ge=1)
     """Prompt groups published beyond what the trainer has taken: bounds staleness at about
     groups_ahead / trainer.groups_per_batch versions."""

@@ -33,6 +33,7 @@ class PromptDriver:
                 self.settings.task,
                 n_samples=self.settings.trainer.group_size,
                 top_p=self.settings.prompts.top_p,
+                temperature=self.settings.prompts.temperature,
                 top_logprobs=VOCAB_SIZE,
             )
             await self.log.append(group)
