@@ -361,6 +361,8 @@ class StabilityResult(Event, kw_only=True, tag="stability_result.v1"):
     """One run of `sprawl experiment stability`: its cell, its seed, and what the collapse rule found."""
 
     experiment_id: Token
+    cell_run_id: Token
+    """The run this cell's seed trained in (its own metrics, versions and trajectories are archived there)."""
     fleet: Token
     correction: NonEmpty
     seed: Count
@@ -373,6 +375,8 @@ class StabilityResult(Event, kw_only=True, tag="stability_result.v1"):
     collapse_rule: NonEmpty
     stress: dict[str, float] = {}
     """The stress levels this run had (staleness, temperatures, top-p)."""
+    series: dict[str, list[float]] = {}
+    """Per-update curves of the run (reward_mean, kl_k3, ...), one value per update in version order."""
 
     def business_key(self) -> str:
         return f"stability.{self.experiment_id}.{self.fleet}.{self.correction}.{self.seed}"

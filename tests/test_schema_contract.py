@@ -199,6 +199,7 @@ EXAMPLES: dict[str, Event] = {
     "stability_result.v1": StabilityResult(
         **_envelope("st"),
         experiment_id="stab-1",
+        cell_run_id="stab-1-mixed-sc_mis-s2",
         fleet="mixed",
         correction="sc+mis",
         seed=2,
@@ -210,6 +211,7 @@ EXAMPLES: dict[str, Event] = {
         kl_mean=0.02,
         collapse_rule="reward below start for 5 updates",
         stress={"max_staleness": 4.0},
+        series={"reward_mean": [0.4, 0.3], "kl_k3": [0.01, 0.03]},
     ),
 }
 
