@@ -246,7 +246,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
 def test_a_bad_flag_is_one_line_and_exit_2():
     result = _cli("sampler", "--island.view", "fp9")
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr == "sprawl: error: island.view: Input should be 'bf16' or 'fp8_e4m3' (got 'fp9')\n"
+    assert result.stderr == "sprawl: error: island.view: Input should be 'bf16', 'fp8_e4m3' or 'mxfp4' (got 'fp9')\n"
     result = _cli("sidecar", "--http.port", "70000", "--island.engine", "vllm")
     assert result.returncode == 2 and result.stdout == ""
     assert sorted(result.stderr.splitlines()) == [

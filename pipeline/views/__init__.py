@@ -77,19 +77,24 @@ from pipeline.views.fp8_e4m3 import (  # noqa: E402
     quantize_fp8_block,
 )
 from pipeline.views.layout import disk_layout  # noqa: E402
+from pipeline.views.mxfp4 import MX_BLOCK, MXFP4View, dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 
 __all__ = [
     "FP8_BLOCK",
     "FP8_E4M3_MAX",
+    "MX_BLOCK",
     "VIEWS",
     "BF16View",
     "FP8E4M3View",
+    "MXFP4View",
     "View",
     "cast_bf16",
     "dequantize_fp8_block",
+    "dequantize_mxfp4",
     "disk_layout",
     "get_view",
     "is_fp8_linear",
     "quantize_fp8_block",
+    "quantize_mxfp4",
     "register_view",
 ]

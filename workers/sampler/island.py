@@ -64,6 +64,7 @@ def build_island(
         device=section.device,
         compute_dtype=section.compute_dtype,
         top_logprobs=section.top_logprobs,
+        fault=section.fault,
     )
     return Island(event_log, open_blob_store(blob_settings), engine, run_id=run_id, settings=section, trust=trust)
 

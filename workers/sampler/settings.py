@@ -25,7 +25,7 @@ __all__ = [
     "ViewName",
 ]
 
-ViewName = Literal["bf16", "fp8_e4m3"]
+ViewName = Literal["bf16", "fp8_e4m3", "mxfp4"]
 """The registered views (`pipeline.views.VIEWS`), spelled out because that registry imports torch;
 tests/test_settings_bounds.py checks that the two agree."""
 
@@ -81,6 +81,20 @@ class IslandSection(Section):
     route_retry: RouteRetrySection = RouteRetrySection()
     """Backoff for what failed on the way to a version; meanwhile the island serves the newest version
     it could build."""
+    fault: Literal["none", "wrong_dequant"] = "none"
+    """Test-only fault injection, never for a real run: `wrong_dequant` makes the reference engine
+    dequantize its quantized weights wrongly on purpose (mxfp4: the two nibbles of each byte swapped;
+    fp8_e4m3: the bits read as e4m3fnuz, every value halved), so a drift guard can be shown to flag a
+    broken island. A bf16 island has nothing to dequantize and refuses it; only the torch engine
+    implements it. Logged loudly at start."""
+
+    @model_validator(mode="after")
+    def _fault_needs_a_quantized_view(self) -> IslandSection:
+        if self.fault == "wrong_dequant" and self.view == "bf16":
+            raise ValueError(
+                "fault=wrong_dequant needs a quantized view (fp8_e4m3, mxfp4): a bf16 island has nothing to dequantize"
+            )
+        return self
 
     @field_validator("island_id", "group")
     @classmethod

@@ -19,7 +19,7 @@ from pipeline.config import ChainSettings, CommandOptions, Section
 from pipeline.off_policy.registry import apply_spec, correction_spec
 from workers.trainer.settings import TrainerSection
 
-VIEW_ALIASES = {"bf16": "bf16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
+VIEW_ALIASES = {"bf16": "bf16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "mxfp4": "mxfp4"}
 """The views `up` can put on an island, by the names its `--views` accepts."""
 
 QUICK_VERSIONS, DEFAULT_VERSIONS = 30, 500
@@ -111,7 +111,7 @@ class UpOptions(CommandOptions):
     trainer, rewards, archiver, prompt driver): islands join from other machines or networks with
     `sprawl token create --role sampler` and `sprawl sampler --join TOKEN`, and the run waits for them."""
     views: list[str] | None = None
-    """Served views, one per island in turn: bf16, fp8 (fp8_e4m3); default: chain.views."""
+    """Served views, one per island in turn: bf16, fp8 (fp8_e4m3), mxfp4; default: chain.views."""
     correction: str | None = None
     """Off-policy correction, e.g. sc+mis+mask (the default: trainer.loss as configured)."""
     fresh: bool = False
@@ -132,7 +132,7 @@ class UpOptions(CommandOptions):
         out = []
         for name in (str(n).strip() for n in names if str(n).strip()):  # type: ignore[union-attr]
             if name not in VIEW_ALIASES:
-                raise ValueError(f"unknown view {name!r}: choose from bf16, fp8 (fp8_e4m3)")
+                raise ValueError(f"unknown view {name!r}: choose from bf16, fp8 (fp8_e4m3), mxfp4")
             out.append(VIEW_ALIASES[name])
         if not out:
             raise ValueError("--views needs at least one view")

@@ -15,6 +15,8 @@ class EngineOptions:
     device: str = "cpu"
     compute_dtype: str = "bfloat16"
     top_logprobs: int = 32
+    fault: str = "none"
+    """Test-only fault injection (`IslandSection.fault`); only the reference engine implements one."""
 
 
 def _reference(options: EngineOptions) -> Engine:
@@ -23,8 +25,20 @@ def _reference(options: EngineOptions) -> Engine:
     from workers.sampler.engines.reference import ReferenceEngine
 
     return ReferenceEngine(
-        device=options.device, dtype=getattr(torch, options.compute_dtype), top_logprobs=options.top_logprobs
+        device=options.device,
+        dtype=getattr(torch, options.compute_dtype),
+        top_logprobs=options.top_logprobs,
+        fault=options.fault,  # type: ignore[arg-type]  # validated by IslandSection
     )
+
+
+def _no_fault(kind: str, options: EngineOptions) -> None:
+    if options.fault != "none":
+        raise SprawlError(
+            f"the {kind} engine has no fault injection (island.fault={options.fault!r})",
+            hint="fault injection is test-only and implemented by the torch reference engine; "
+            "set island.fault=none (SPRAWL_ISLAND__FAULT)",
+        )
 
 
 def _needs_url(kind: str, options: EngineOptions) -> str:
@@ -39,12 +53,14 @@ def _needs_url(kind: str, options: EngineOptions) -> str:
 def _vllm(options: EngineOptions) -> Engine:
     from workers.sampler.engines.vllm import VLLMEngine
 
+    _no_fault("vllm", options)
     return VLLMEngine(_needs_url("vllm", options), top_logprobs=options.top_logprobs)
 
 
 def _sglang(options: EngineOptions) -> Engine:
     from workers.sampler.engines.sglang import SGLangEngine
 
+    _no_fault("sglang", options)
     return SGLangEngine(_needs_url("sglang", options), top_logprobs=options.top_logprobs)
 
 

@@ -4,8 +4,11 @@ It samples in its own loop (not `generate`) so it can return what the trainer ne
 token's logprob under the processed distribution (temperature, top-k, top-p) and under the raw one,
 the top-k of the processed distribution, the kept set, and the experts each MoE router picked
 (captured from the routers themselves). It runs in the view's numerics (bf16 compute; fp8 weights
-dequantized from their block scales), so its logprobs equal a teacher-forced recomputation on the
-same weights.
+dequantized from their block scales, mxfp4 weights from their E2M1 codes and E8M0 scales), so its
+logprobs equal a teacher-forced recomputation on the same weights.
+
+`fault="wrong_dequant"` (test-only, `island.fault`) makes it dequantize wrongly on purpose (see
+`weights.to_compute_dtype`): an island that is broken, not merely different, for the drift guard.
 
 Weights committed while a generation runs take effect at the next decode step, and the new
 version opens a new span over the output tokens: the in-flight update real engines do, visible.
@@ -22,11 +25,14 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import SprawlError
+from pipeline.logs import get_logger
 from pipeline.model_construction import MODEL_CONSTRUCTION
 from pipeline.sampling import draw, process_logits, truncates
 from schemas import VersionSpan
 from workers.sampler.engines.base import Capabilities, EngineUnavailable, GenerateRequest, Sample
-from workers.sampler.engines.weights import load_config, model_state_dict
+from workers.sampler.engines.weights import Fault, load_config, model_state_dict
+
+log = get_logger(__name__)
 
 
 class UnsupportedModelForward(SprawlError):
@@ -60,8 +66,10 @@ class ReferenceEngine:
         dtype: torch.dtype = torch.bfloat16,
         top_logprobs: int = 32,
         threads: int | None = None,
+        fault: Fault = "none",
     ):
         self.device = torch.device(device)
+        self.fault = fault
         self.dtype = dtype
         self.top_logprobs = top_logprobs
         self.threads = threads
@@ -80,6 +88,12 @@ class ReferenceEngine:
     async def start(self) -> None:
         if self.threads:
             torch.set_num_threads(self.threads)
+        if self.fault != "none":
+            log.warning(
+                "FAULT INJECTION ON: this engine dequantizes its weights wrongly on purpose (test only); "
+                "its samples come from a broken policy",
+                fault=self.fault,
+            )
         self._started = True
 
     async def health(self) -> bool:
@@ -133,7 +147,7 @@ class ReferenceEngine:
         """Stage the weights (read + dequantize, no lock held), then commit; returns the pause in seconds."""
         if self.model is None:
             changed = None  # the first load builds the whole model
-        state = await asyncio.to_thread(model_state_dict, path, self.dtype, changed)
+        state = await asyncio.to_thread(model_state_dict, path, self.dtype, changed, self.fault)
         if self.model is None:
             await asyncio.to_thread(self._build, path, state, version)
             return 0.0

@@ -1,9 +1,13 @@
 """Loading a materialized version into a transformers model, in the view's numerics.
 
-Disk layout -> transformers 5 in-memory layout (experts fused per layer). The fp8 view's linear
-weights are dequantized with their block scales into the compute dtype, so an fp8 island computes
-with the fp8-rounded weights, not with the master weights: islands of different views really are
-numerically different, as they are on real hardware.
+Disk layout -> transformers 5 in-memory layout (experts fused per layer). A quantized view's linear
+weights are dequantized with their scales into the compute dtype: block-fp8 (`weight` float8_e4m3fn +
+`weight_scale_inv`) and MXFP4 (`weight` uint8, two E2M1 codes a byte, + E8M0 `weight_scale`). So an
+fp8 or mxfp4 island computes with the rounded weights, not with the master weights: islands of
+different views really are numerically different, as they are on real hardware.
+
+`fault="wrong_dequant"` is a test-only fault injection (`island.fault`): it dequantizes the way a real
+bug would, so a drift guard can be shown to catch a broken island.
 """
 
 from __future__ import annotations
@@ -11,13 +15,20 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import safe_open
 
 from pipeline.errors import SprawlError
 from pipeline.keyframe import INDEX_FILE
-from pipeline.views import dequantize_fp8_block
+from pipeline.views import dequantize_fp8_block, dequantize_mxfp4
+
+Fault = Literal["none", "wrong_dequant"]
+"""Test-only fault injection of the reference engine (`IslandSection.fault`)."""
+
+SCALE_SUFFIXES = ("_scale_inv", "_scale")
+"""What a quantized `<name>.weight` brings along: fp8 `weight_scale_inv`, mxfp4 `weight_scale`."""
 
 
 class CheckpointLayoutError(SprawlError):
@@ -43,37 +54,73 @@ def read_served_tensors(directory: Path, only: set[str] | None = None) -> dict[s
     return tensors
 
 
+class FaultNotApplicable(SprawlError):
+    """`wrong_dequant` was asked of a version with nothing to dequantize (a bf16 view)."""
+
+    def __init__(self, directory: Path):
+        super().__init__(
+            f"island.fault=wrong_dequant, but {directory} holds no quantized weights to dequantize wrongly",
+            hint="the fault injection needs a quantized view (fp8_e4m3, mxfp4); set island.fault=none "
+            "(SPRAWL_ISLAND__FAULT) for a bf16 island",
+        )
+
+
+def weight_of(name: str) -> str:
+    """A scale's weight (`x.weight_scale_inv`, `x.weight_scale` -> `x.weight`); any other name itself."""
+    for suffix in SCALE_SUFFIXES:
+        if name.endswith(".weight" + suffix):
+            return name.removesuffix(suffix)
+    return name
+
+
 def affected_disk_tensors(directory: Path, changed: list[str]) -> set[str]:
     """Disk tensors to read so every in-memory tensor touched by `changed` can be rebuilt: a changed
-    expert brings its whole fused layer along, a changed fp8 weight its scale (and the reverse)."""
+    expert brings its whole fused layer along, a changed quantized weight its scale (and the reverse)."""
     names = set(json.loads((directory / INDEX_FILE).read_text())["weight_map"])
-    layers = {m["prefix"] for n in changed if (m := _EXPERT.match(n.removesuffix("_scale_inv")))}
-    out = set(changed)
+    weights = {weight_of(n) for n in changed}
+    layers = {m["prefix"] for w in weights if (m := _EXPERT.match(w))}
     for name in names:
-        base = name.removesuffix("_scale_inv")
-        match = _EXPERT.match(base)
+        match = _EXPERT.match(weight_of(name))
         if match and match["prefix"] in layers:
-            out.add(name)
-        if base in out or name.removesuffix("weight") + "weight" in out:
-            out.add(name)
-    for name in list(out):
-        out.add(name.removesuffix("weight") + "weight_scale_inv" if name.endswith(".weight") else name)
-        out.add(name.removesuffix("_scale_inv"))
-    return out & names
+            weights.add(weight_of(name))
+    return {n for n in names if weight_of(n) in weights}
 
 
-def to_compute_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Dequantize block-fp8 weights (`weight` + `weight_scale_inv`) and cast everything to `dtype`."""
+def _dequantize(name: str, tensor: torch.Tensor, tensors: dict[str, torch.Tensor], fault: Fault) -> torch.Tensor | None:
+    """fp32 values of a quantized weight, or None when `name` is not one."""
+    fp8_scale_inv, mx_scale = tensors.get(name + "_scale_inv"), tensors.get(name + "_scale")
+    if tensor.dtype == torch.float8_e4m3fn and fp8_scale_inv is not None:
+        if fault == "wrong_dequant":
+            # The bits read as e4m3fnuz (ROCm's fp8, exponent bias 8 not 7), the confusion vLLM's
+            # normalize_e4m3fn_to_e4m3fnuz exists to undo: every value halves. (A transposed or rolled
+            # scale grid would be a no-op here: the tiny models' linears are one 128x128 block.)
+            return dequantize_fp8_block(tensor, fp8_scale_inv * 0.5)
+        return dequantize_fp8_block(tensor, fp8_scale_inv)
+    if tensor.dtype == torch.uint8 and mx_scale is not None:
+        if fault == "wrong_dequant":
+            tensor = ((tensor & 0x0F) << 4) | (tensor >> 4)  # the two nibbles of each byte swapped
+        return dequantize_mxfp4(tensor, mx_scale)
+    if tensor.dtype in (torch.float8_e4m3fn, torch.uint8) and name.endswith(".weight"):
+        raise CheckpointLayoutError(f"{name} is quantized ({tensor.dtype}) but its scale is missing")
+    return None
+
+
+def to_compute_dtype(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype, fault: Fault = "none"
+) -> dict[str, torch.Tensor]:
+    """Dequantize block-fp8 (`weight` + `weight_scale_inv`) and MXFP4 (`weight` + `weight_scale`)
+    weights and cast everything to `dtype`; scales are consumed, never loaded into the model."""
     out = {}
     for name, tensor in tensors.items():
-        if name.endswith(".weight_scale_inv"):
+        if weight_of(name) != name:
             continue
-        scale = tensors.get(name.removesuffix("weight") + "weight_scale_inv")
-        if scale is not None and tensor.dtype == torch.float8_e4m3fn:
-            out[name] = dequantize_fp8_block(tensor, scale).to(dtype)
-        else:
-            out[name] = tensor.to(dtype)
+        values = _dequantize(name, tensor, tensors, fault)
+        out[name] = (values if values is not None else tensor).to(dtype)
     return out
+
+
+def has_quantized_weights(tensors: dict[str, torch.Tensor]) -> bool:
+    return any(weight_of(name) != name for name in tensors)
 
 
 def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -98,17 +145,24 @@ def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def model_state_dict(
-    directory: Path, dtype: torch.dtype = torch.bfloat16, changed: list[str] | None = None
+    directory: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    changed: list[str] | None = None,
+    fault: Fault = "none",
 ) -> dict[str, torch.Tensor]:
-    """A materialized version as a transformers state dict in `dtype` (only what `changed` touches)."""
+    """A materialized version as a transformers state dict in `dtype` (only what `changed` touches).
+    With `fault="wrong_dequant"` a whole version must hold quantized weights (FaultNotApplicable)."""
     only = affected_disk_tensors(directory, changed) if changed is not None else None
-    return fuse_experts(to_compute_dtype(read_served_tensors(directory, only), dtype))
+    tensors = read_served_tensors(directory, only)
+    if fault != "none" and changed is None and not has_quantized_weights(tensors):
+        raise FaultNotApplicable(directory)
+    return fuse_experts(to_compute_dtype(tensors, dtype, fault))
 
 
 def load_config(directory: Path):
     from transformers import AutoConfig
 
     config = json.loads((directory / "config.json").read_text())
-    config.pop("quantization_config", None)  # we dequantize ourselves; transformers' fp8 path needs a GPU
+    config.pop("quantization_config", None)  # we dequantize ourselves; transformers' fp8/quark paths need a GPU
     model_type = config.pop("model_type")
     return AutoConfig.for_model(model_type, **config)

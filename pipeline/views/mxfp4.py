@@ -1,0 +1,180 @@
+"""The `mxfp4` view: linear projections in OCP MX FP4 (E2M1 elements, one E8M0 scale per 32), the rest bf16.
+
+Format: OCP Microscaling Formats (MX) Specification v1.0 (Open Compute Project, 2023). A block is
+32 consecutive elements along a linear weight's INPUT dimension (the last dim of `[out, in]`);
+each element is FP4 E2M1 (values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; emax_elem = 2),
+the block shares one E8M0 scale X = 2^(byte - 127), byte 0xFF = NaN.
+
+Rounding rule implemented (MX v1.0 §6.3, "Conversion from vector of scalar floats to an MX block"):
+
+    shared_exp = floor(log2(max_i |V_i|)) - emax_elem          (emax_elem = 2 for E2M1)
+    shared_exp clamped to the E8M0 range [-127, 127]
+    X = 2^shared_exp
+    P_i = quantize_to_E2M1(V_i / X)   round to nearest, ties to even; |V_i / X| above the largest
+                                      normal (6.0) saturates to ±6
+
+Computed exactly: floor(log2) from `torch.frexp` (no float log), V/X by `torch.ldexp` in float64
+(a power-of-two scaling of an fp32 value is exact there), the E2M1 rounding by `torch.round`
+(half-to-even) on the grid's three exponent ranges. The sign of each element is kept, as an IEEE
+cast keeps it (a small negative value rounds to -0, code 8). Two cases the spec leaves to us:
+- an all-zero block gets scale byte 0 (2^-127) and zero codes (its log2 is -inf);
+- a block holding NaN or ±inf gets scale byte 0xFF (NaN: §6.3 "if max|V_i| is Inf or NaN, X is
+  NaN"), and zero codes, so every element of it dequantizes to NaN. Master weights never hold
+  either; this only keeps a corrupt master from being served as finite numbers.
+
+What stays bf16: embeddings, lm_head, norms, MoE routers (`mlp.gate.weight`), exactly what the fp8
+view keeps (`is_fp8_linear`), as serving stacks do; and any linear whose input dim is not a multiple
+of 32 (it has no whole blocks; such a layer would also have to be listed in the config's `exclude`).
+
+On-disk layout (matched to AMD Quark's MXFP4 export, which vLLM and SGLang load through their
+`quark` quantization method, scheme `QuarkW4A4MXFP4`: `weight` uint8 `[out, in/2]`, `weight_scale`
+uint8 `[out, in/32]`, and their `mxfp4_to_f32` unpacks element 2j from the low nibble, 2j+1 from
+the high nibble; `e8m0_to_f32` is 2^(byte-127)):
+
+    <name>.weight        uint8 [out, in/2]   two E2M1 codes a byte, element 2j in the low nibble
+    <name>.weight_scale  uint8 [out, in/32]  E8M0 shared scale of each block of 32
+
+Not verified here (no GPU engine in this repository's default tests): that a current vLLM/SGLang
+loads this config end to end. Quark's MXFP4 scheme in vLLM is W4A4 (activations quantized to MXFP4
+on the fly as well); the reference engine computes with the dequantized weights and bf16
+activations, i.e. weight-only numerics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.views import View, register_view
+from pipeline.views.bf16 import cast_bf16
+from pipeline.views.fp8_e4m3 import is_fp8_linear
+from pipeline.views.layout import disk_layout
+
+MX_BLOCK = 32
+E2M1_EMAX = 2
+E2M1_MAX = 6.0
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+SIGN_BIT = 0x8
+
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+"""The magnitude of codes 0..7; code | 8 is the negative."""
+
+# 2 * magnitude (an integer 0..12) -> code; the odd entries and 7, 9..11 never occur.
+_CODE_OF_TWICE = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=torch.uint8)
+
+
+def round_to_e2m1(magnitude: torch.Tensor) -> torch.Tensor:
+    """|P| (float64, >= 0, finite) -> the E2M1 code 0..7: round to nearest, ties to even, saturating at 6.
+
+    The grid's spacing is 0.5 below 2, 1 in [2, 4), 2 from 4; `torch.round` rounds half to even, and
+    in each range an even multiple of the spacing is an even mantissa (0.25 -> 0, 0.75 -> 1, 1.75 -> 2,
+    2.5 -> 2, 3.5 -> 4, 5 -> 4). A tie at a range's top (1.75, 3.5) rounds up into the next range's
+    first value, which is that range's even end too.
+    """
+    magnitude = magnitude.clamp(max=E2M1_MAX)
+    twice = torch.where(
+        magnitude < 2,
+        torch.round(magnitude * 2),
+        torch.where(magnitude < 4, torch.round(magnitude) * 2, torch.round(magnitude / 2) * 4),
+    )
+    return _CODE_OF_TWICE[twice.clamp(max=12).to(torch.long)]
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D `[out, in]` weight (in % 32 == 0) -> (uint8 packed codes `[out, in/2]`, uint8 E8M0 scales `[out, in/32]`)."""
+    rows, cols = weight.shape
+    if cols % MX_BLOCK:
+        raise ValueError(f"input dim {cols} is not a multiple of the MX block ({MX_BLOCK})")
+    blocks = weight.detach().to("cpu", torch.float64).reshape(rows, cols // MX_BLOCK, MX_BLOCK)
+    amax = blocks.abs().amax(dim=-1)  # NaN propagates, inf stays inf
+    _, exponent = torch.frexp(amax)  # amax = m * 2^e, m in [0.5, 1): floor(log2 amax) = e - 1
+    shared = (exponent.to(torch.int64) - 1 - E2M1_EMAX).clamp(-E8M0_BIAS, E8M0_BIAS)
+    zero = amax == 0
+    special = ~torch.isfinite(amax)
+    shared = torch.where(zero | special, torch.full_like(shared, -E8M0_BIAS), shared)
+    scaled = torch.ldexp(blocks, (-shared)[..., None])  # V / X, exact: a power-of-two scaling in float64
+    codes = round_to_e2m1(torch.nan_to_num(scaled.abs(), nan=0.0, posinf=0.0))
+    codes = codes | (torch.signbit(blocks).to(torch.uint8) * SIGN_BIT)
+    codes = torch.where(special[..., None], torch.zeros_like(codes), codes)
+    scale = (shared + E8M0_BIAS).to(torch.uint8)
+    scale = torch.where(special, torch.full_like(scale, E8M0_NAN), scale)
+    return pack_nibbles(codes.reshape(rows, cols)), scale.contiguous()
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes `[..., 2n]` (each 0..15) -> bytes `[..., n]`: element 2j low nibble, 2j+1 high nibble."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_nibbles`: bytes `[..., n]` -> codes `[..., 2n]`."""
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack([low, high], dim=-1).flatten(-2)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 -> their fp32 values (code 8 is -0.0)."""
+    magnitude = E2M1_VALUES[(codes & 0x7).to(torch.long)]
+    return torch.where((codes & SIGN_BIT) != 0, -magnitude, magnitude)
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 -> fp32 2^(byte - 127) (2^-127 is an fp32 subnormal, exact), 0xFF -> NaN."""
+    power = torch.pow(2.0, scale.to(torch.float64) - E8M0_BIAS).to(torch.float32)
+    return torch.where(scale == E8M0_NAN, torch.full_like(power, float("nan")), power)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(uint8 `[out, in/2]`, uint8 `[out, in/32]`) -> fp32 `[out, in]`, exactly code value * 2^(byte-127)."""
+    return dequantize_codes(unpack_nibbles(packed), scale)
+
+
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Unpacked codes `[out, in]` with their scales -> fp32 (every product is exact in fp32)."""
+    rows, cols = codes.shape
+    if scale.shape != (rows, cols // MX_BLOCK) or cols % MX_BLOCK:
+        raise ValueError(f"MXFP4 scales {tuple(scale.shape)} do not fit codes {(rows, cols)} in blocks of {MX_BLOCK}")
+    values = decode_e2m1(codes).view(rows, cols // MX_BLOCK, MX_BLOCK)
+    return (values * e8m0_to_float(scale)[..., None]).view(rows, cols)
+
+
+def is_mxfp4_linear(name: str, tensor: torch.Tensor) -> bool:
+    """The fp8 view's linears whose input dim holds whole MX blocks; the rest stays bf16."""
+    return is_fp8_linear(name, tensor) and tensor.shape[-1] % MX_BLOCK == 0
+
+
+class MXFP4View(View):
+    name = "mxfp4"
+
+    def tensors(self, state_dict, *, tie_word_embeddings=False):
+        for name, tensor in disk_layout(state_dict, tie_word_embeddings=tie_word_embeddings):
+            if is_mxfp4_linear(name, tensor):
+                packed, scale = quantize_mxfp4(tensor)
+                yield name, packed
+                yield name.removesuffix("weight") + "weight_scale", scale
+            else:
+                yield name, cast_bf16(tensor)
+
+    def config_overrides(self):
+        # Quark's config as vLLM/SGLang's QuarkConfig._is_mx_fp4 reads it: fp4 weights, per_group 32,
+        # e8m0 scales, static; activations fp4 dynamic per_group 32 (the W4A4 scheme they implement).
+        group = {"dtype": "fp4", "qscheme": "per_group", "group_size": MX_BLOCK, "ch_axis": -1, "scale_format": "e8m0"}
+        return {
+            **super().config_overrides(),
+            "quantization_config": {
+                "quant_method": "quark",
+                "global_quant_config": {
+                    "weight": {**group, "is_dynamic": False, "round_method": "half_even"},
+                    "input_tensors": {**group, "is_dynamic": True},
+                    "output_tensors": None,
+                    "bias": None,
+                },
+                "layer_quant_config": {},
+                "layer_type_quant_config": {},
+                "exclude": ["lm_head", "*mlp.gate"],
+                "export": {"pack_method": "reorder", "weight_format": "real_quantized"},
+            },
+        }
+
+
+register_view(MXFP4View())
