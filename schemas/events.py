@@ -332,6 +332,9 @@ class TrainerMetrics(Event, kw_only=True, tag="trainer_metrics.v1"):
     metrics: dict[str, float]
     per_group: dict[str, dict[str, float]] = {}
     """Metrics per sampler group (island view/accelerator), e.g. KL by precision."""
+    per_island: dict[str, dict[str, float]] = {}
+    """Metrics per island id (its KL, ESS and tokens this update, and the drift guard's windowed KL and
+    verdict), what the drift guard judges on."""
 
 
 class IslandDrift(Event, kw_only=True, tag="island_drift.v1"):

@@ -28,11 +28,16 @@ class LineageGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     members: list[LineageMember]
 
 
-class Lineage(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+class Lineage(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
     """What version `version` was trained on, group by group, in batch order."""
 
     version: int
     groups: list[LineageGroup]
+    quarantined_islands: list[str] = []
+    """Islands the drift guard had quarantined for this update: their trajectories are in `groups` (they
+    were forwarded and measured) but left the loss. Re-deriving the version applies the same set.
+    Written only when non-empty (a blob without it is byte-identical to one from before the field), and
+    a reader that predates it ignores it (unknown fields are allowed)."""
 
     def trajectory_ids(self) -> list[str]:
         return [m.trajectory_id for g in self.groups for m in g.members]

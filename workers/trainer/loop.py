@@ -49,13 +49,14 @@ from pipeline.topology import (
     trajectories_filter,
 )
 from pipeline.version_signing import trainer_signing_key, verify_version
-from schemas import GroupDropped, Reward, TrainerMetrics, Trajectory
+from schemas import GroupDropped, IslandDrift, Reward, TrainerMetrics, Trajectory
 from workers.lifecycle import end_guards, run_connected, run_guarded
 from workers.trainer.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
+from workers.trainer.drift_guard import DriftChange, DriftGuard
 from workers.trainer.publishing import BackgroundPublisher, Pending
-from workers.trainer.recovery import batch_from_lineage, check_rederived, put_lineage, root_hashes
+from workers.trainer.recovery import batch_from_lineage, check_rederived, put_lineage, read_lineage, root_hashes
 from workers.trainer.settings import TrainerSettings
-from workers.trainer.update import run_update
+from workers.trainer.update import UpdateMetrics, run_update
 
 log = get_logger(__name__)
 
@@ -68,6 +69,11 @@ class _VersionJob:
     step: int
     metrics: dict[str, float]
     per_group: dict[str, dict[str, float]]
+    per_island: dict[str, dict[str, float]]
+    quarantined: frozenset[str]
+    """Islands the update left out of the loss (recorded in the lineage: recovery applies the same)."""
+    drift: list[DriftChange]
+    """Verdicts of the drift guard this update changed, appended after the version's metrics."""
 
 
 class ChainBehindCheckpoint(SprawlError):
@@ -106,6 +112,8 @@ class Trainer:
         self.model = None
         self.optimizer = None
         self.publisher: ChainPublisher | None = None
+        self.guard = DriftGuard(self.cfg.drift)
+        """Per-island KL against the fleet's; with `drift.quarantine`, whose trajectories leave the loss."""
         self.background: BackgroundPublisher[_VersionJob] = BackgroundPublisher(
             self._publish_version, self.cfg.publish_depth, name="the trainer's publisher"
         )
@@ -177,25 +185,44 @@ class Trainer:
         assert self.model is not None
         while self.version < head:
             version = self.version + 1
-            event, batch = await batch_from_lineage(self.log, self.blobs, self.run_id, version)
+            event, batch, quarantined = await batch_from_lineage(self.log, self.blobs, self.run_id, version)
             if self.signing_key is not None:
                 # A version in the chain that this trainer's key did not sign was forged: re-deriving on
                 # top of it would fork what islands serve, so the trainer stops and says which.
                 verify_version(event, self.signing_key.public_key())
             for item in batch:
                 self.assembler.used.update(t.trajectory_id for t in item.trajectories)
-            await asyncio.to_thread(self._update, batch, version - 1)
+            metrics = await asyncio.to_thread(self._update, batch, version - 1, quarantined)
             check_rederived(event, root_hashes(self.model, self.settings.chain.views))
             self.version = version
+            # The guard's windows refill from the re-derived updates; what it had flagged going into each
+            # is what the lineage says was quarantined (its events were appended when the version was made).
+            self._restore_flagged(quarantined)
+            self._judge(version, batch, metrics)
             log.info("re-derived version from lineage", version=version)
 
     # ---------------------------------------------------------------- the loop
 
-    def _update(self, batch: list[GroupBatchItem], trainer_version: int):
+    def _update(
+        self, batch: list[GroupBatchItem], trainer_version: int, quarantined: frozenset[str] = frozenset()
+    ) -> UpdateMetrics:
         assert self.model is not None and self.optimizer is not None
-        metrics = run_update(self.model, self.optimizer, batch, self.cfg, trainer_version)
+        metrics = run_update(self.model, self.optimizer, batch, self.cfg, trainer_version, quarantined)
         self.step += 1
         return metrics
+
+    def _restore_flagged(self, quarantined: frozenset[str]) -> None:
+        if self.cfg.drift.quarantine:
+            self.guard.restore_flagged(quarantined)
+
+    def _judge(self, version: int, batch: list[GroupBatchItem], metrics: UpdateMetrics) -> list[DriftChange]:
+        """Feed the update's per-island metrics to the drift guard; its verdicts go into the metrics."""
+        views = {t.island.island_id: t.island.view for item in batch for t in item.trajectories}
+        changes = self.guard.observe(version, metrics.per_island, views)
+        for island, report in self.guard.report().items():
+            metrics.per_island.setdefault(island, {}).update(report)
+        metrics.overall["islands_flagged"] = float(len(self.guard.flagged))
+        return changes
 
     async def _feed(self, stream: Stream, filter_subject: str, start: int, stop: asyncio.Event) -> None:
         """Follow `stream` into the assembler until `stop`, through the trainer's own named consumer, so
@@ -224,7 +251,7 @@ class Trainer:
         assert self.publisher is not None
         job, version = pending.job, pending.version
         started = time.perf_counter()
-        lineage = await put_lineage(self.blobs, self.run_id, version, job.batch)
+        lineage = await put_lineage(self.blobs, self.run_id, version, job.batch, job.quarantined)
         await self.publisher.publish(
             version,
             pending.weights,
@@ -238,8 +265,39 @@ class Trainer:
         # long publishing it took beside the next update.
         metrics = {**job.metrics, "publish_wait_s": pending.blocked_s, "publish_s": time.perf_counter() - started}
         await self.log.append(
-            TrainerMetrics(run_id=self.run_id, step=job.step, version=version, metrics=metrics, per_group=job.per_group)
+            TrainerMetrics(
+                run_id=self.run_id,
+                step=job.step,
+                version=version,
+                metrics=metrics,
+                per_group=job.per_group,
+                per_island=job.per_island,
+            )
         )
+        for change in job.drift:
+            log.warning(
+                "drift guard: island " + change.state,
+                island=change.island_id,
+                view=change.view,
+                version=version,
+                kl_k3=change.kl_k3,
+                baseline_kl_k3=change.baseline_kl_k3,
+                quarantined=change.quarantined,
+            )
+            await self.log.append(
+                IslandDrift(
+                    run_id=self.run_id,
+                    island_id=change.island_id,
+                    view=change.view,
+                    state=change.state,
+                    version=change.version,
+                    kl_k3=change.kl_k3,
+                    ess_ratio=change.ess_ratio,
+                    baseline_kl_k3=change.baseline_kl_k3,
+                    factor=change.factor,
+                    quarantined=change.quarantined,
+                )
+            )
 
     async def _drop_expired(self) -> None:
         """Drop the overdue incomplete groups the log says are incomplete too.
@@ -322,7 +380,13 @@ class Trainer:
         if head is None:
             await self._publish_initial()
         else:
+            checkpointed = self.version
             await self._catch_up(head)
+            if self.version == checkpointed and self.version > 0 and self.cfg.drift.quarantine:
+                # Nothing re-derived: the guard starts with what the head's update had quarantined.
+                self._restore_flagged(
+                    frozenset((await read_lineage(self.log, self.blobs, self.run_id, head))[1].quarantined_islands)
+                )
 
     async def _train(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -333,13 +397,16 @@ class Trainer:
             if batch is None:
                 await asyncio.sleep(0.05)
                 continue
-            overall, per_group = await asyncio.to_thread(self._update, batch, self.version)
+            quarantined = self.guard.quarantined
+            metrics = await asyncio.to_thread(self._update, batch, self.version, quarantined)
             self.version += 1
-            overall["groups_dropped_total"] = float(self.groups_dropped)
-            # The next update may start once the weights are captured; the version is published beside it.
-            await self.background.submit(
-                self.version, self.model.state_dict(), _VersionJob(batch, self.step, overall, per_group)
+            changes = self._judge(self.version, batch, metrics)
+            metrics.overall["groups_dropped_total"] = float(self.groups_dropped)
+            job = _VersionJob(
+                batch, self.step, metrics.overall, metrics.per_group, metrics.per_island, quarantined, changes
             )
+            # The next update may start once the weights are captured; the version is published beside it.
+            await self.background.submit(self.version, self.model.state_dict(), job)
             if self.version % self.cfg.checkpoint_every == 0:
                 await self.background.drain(self.version)  # recovery needs checkpoint <= chain head
                 await self._checkpoint()

@@ -9,6 +9,7 @@ silently forked chain.
 from __future__ import annotations
 
 import asyncio
+from typing import NamedTuple
 
 import torch
 
@@ -30,10 +31,26 @@ class RecoveryMismatch(SprawlError):
         )
 
 
-async def put_lineage(blobs: BlobStore, run_id: str, version: int, batch: list[GroupBatchItem]) -> BlobRef:
+class RecordedBatch(NamedTuple):
+    """What a version was trained on, as its lineage says."""
+
+    event: PolicyVersion
+    batch: list[GroupBatchItem]
+    quarantined: frozenset[str]
+    """The islands whose rows left the loss (the drift guard's quarantine) in that update."""
+
+
+async def put_lineage(
+    blobs: BlobStore,
+    run_id: str,
+    version: int,
+    batch: list[GroupBatchItem],
+    quarantined: frozenset[str] = frozenset(),
+) -> BlobRef:
     """Write the lineage blob; its uri and sha256 go into the (signed) version event."""
     lineage = Lineage(
         version=version,
+        quarantined_islands=sorted(quarantined),
         groups=[
             LineageGroup(
                 group_id=item.group_id,
@@ -48,17 +65,23 @@ async def put_lineage(blobs: BlobStore, run_id: str, version: int, batch: list[G
     return await asyncio.to_thread(blobs.put_bytes, encode_lineage(lineage), lineage_key(run_id, version))
 
 
-async def batch_from_lineage(
+async def read_lineage(
     event_log: EventLog, blobs: BlobStore, run_id: str, version: int
-) -> tuple[PolicyVersion, list[GroupBatchItem]]:
-    """The version's event and the exact batch it was trained on, read back from the log."""
+) -> tuple[PolicyVersion, Lineage]:
+    """The version's event and its lineage blob (checked against the event's digest)."""
     event = await fetch_version(event_log, run_id, version)
     if event is None or event.lineage_uri is None:
         raise RecoveryMismatch(f"version {version} has no lineage: it cannot be re-derived")
     # Checked against the event's digest where it has one (events before it name only the uri): a
     # rewritten lineage blob must not make a restarted trainer re-derive from other trajectories.
     data = await asyncio.to_thread(blobs.get_bytes, event.lineage_uri, expected=event.lineage_sha256)
-    lineage = decode_lineage(data)
+    return event, decode_lineage(data)
+
+
+async def batch_from_lineage(event_log: EventLog, blobs: BlobStore, run_id: str, version: int) -> RecordedBatch:
+    """The version's event, the exact batch it was trained on and the islands quarantined in that
+    update, read back from the log."""
+    event, lineage = await read_lineage(event_log, blobs, run_id, version)
     batch = []
     for group in lineage.groups:
         trajectories, rewards, tseqs, rseqs = [], [], [], []
@@ -75,7 +98,7 @@ async def batch_from_lineage(
             tseqs.append(tseq)
             rseqs.append(rseq)
         batch.append(GroupBatchItem(group.group_id, trajectories, rewards, tseqs, rseqs))
-    return event, batch
+    return RecordedBatch(event, batch, frozenset(lineage.quarantined_islands))
 
 
 def root_hashes(model: torch.nn.Module, views: list[str]) -> dict[str, str]:

@@ -10,6 +10,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -136,21 +137,46 @@ def build_tensors(
     )
 
 
+class UpdateMetrics(NamedTuple):
+    overall: dict[str, float]
+    """Over the tokens the loss used."""
+    per_group: dict[str, dict[str, float]]
+    """By sampler group (the view unless the island names a group), over every measured token."""
+    per_island: dict[str, dict[str, float]]
+    """By island id, over every measured token (a quarantined island's too): what the drift guard reads."""
+
+
+def quarantine_rows(trajectories: list[Trajectory], quarantined: frozenset[str]) -> list[int]:
+    """Rows whose island is quarantined: they are forwarded and measured, but leave the loss."""
+    return [i for i, t in enumerate(trajectories) if t.island.island_id in quarantined]
+
+
 def run_update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: list[GroupBatchItem],
     cfg: TrainerSection,
     trainer_version: int,
-) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    quarantined: frozenset[str] = frozenset(),
+) -> UpdateMetrics:
     """Forward, corrected loss, backward, step, as `cfg` says (its loss, GRPO normalization, gradient
-    clipping, routing replay and staleness bound). Returns overall and per-island-group metrics."""
+    clipping, routing replay and staleness bound). Returns overall, per-group and per-island metrics.
+
+    `quarantined`: islands the drift guard excluded. Their rows' loss mask is zeroed, so they add nothing
+    to the gradient (nor to the loss's token count); their sampler-trainer KL is still measured (a
+    no-grad pass of the same loss over just those rows) so the guard can see them recover. The set is
+    an input like the batch: recovery replays a version with the set its lineage recorded."""
     started = time.perf_counter()
     trajectories = [t for item in batch for t in item.trajectories]
     rewards = torch.tensor([[r.value for r in item.rewards] for item in batch], dtype=torch.float32)
     advantages = grpo_advantages(rewards, normalize_std=cfg.normalize_std).reshape(-1)
     vocab = model.config.vocab_size
     bt = build_tensors(trajectories, vocab, trainer_version, cfg.max_staleness, cfg.train_temperature)
+    measured_mask = bt.loss_mask
+    excluded = quarantine_rows(trajectories, quarantined)
+    if excluded:
+        bt.loss_mask = measured_mask.clone()
+        bt.loss_mask[excluded] = False
     model.train()
     if cfg.routing_replay and bt.routed is not None and bt.routed_valid is not None:
         with replay_routing(model, bt.routed, bt.routed_valid):
@@ -172,21 +198,17 @@ def run_update(
         top_logp=bt.top_logp,
         top_valid=bt.top_valid,
     )
+    measured = _measure_excluded(result, out_logits, advantages, bt, measured_mask, excluded, cfg)
     optimizer.zero_grad(set_to_none=True)
     result.loss.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
     optimizer.step()
     elapsed = time.perf_counter() - started
 
-    groups = [t.island.group or t.island.view for t in trajectories]
     flat_rewards = rewards.reshape(-1)
+    reward_events = [item_r for item in batch for item_r in item.rewards]
     overall = _metrics(
-        result,
-        bt,
-        flat_rewards,
-        [item_r for item in batch for item_r in item.rewards],
-        trajectories,
-        range(len(trajectories)),
+        result, bt.loss_mask, bt.staleness, flat_rewards, reward_events, trajectories, range(len(trajectories))
     )
     overall |= {
         "loss": float(result.loss.detach()),
@@ -195,22 +217,69 @@ def run_update(
         "update_s": elapsed,
         "groups": float(len(batch)),
         "trajectories": float(len(trajectories)),
+        "quarantined_trajectories": float(len(excluded)),
     }
-    per_group = {}
-    by_group: dict[str, list[int]] = defaultdict(list)
-    for i, g in enumerate(groups):
-        by_group[g].append(i)
-    for g, rows in by_group.items():
-        per_group[g] = _metrics(
-            result, bt, flat_rewards, [item_r for item in batch for item_r in item.rewards], trajectories, rows
+
+    def by(key) -> dict[str, dict[str, float]]:
+        rows: dict[str, list[int]] = defaultdict(list)
+        for i, t in enumerate(trajectories):
+            rows[key(t)].append(i)
+        return {
+            name: _metrics(measured, measured_mask, bt.staleness, flat_rewards, reward_events, trajectories, members)
+            for name, members in rows.items()
+        }
+
+    per_group = by(lambda t: t.island.group or t.island.view)
+    per_island = by(lambda t: t.island.island_id)
+    return UpdateMetrics(overall, per_group, per_island)
+
+
+@dataclass
+class _Measured:
+    """The per-token quantities `_metrics` reads, for every measured row."""
+
+    rho: torch.Tensor
+    weight: torch.Tensor
+    masked_low: torch.Tensor
+    masked_high: torch.Tensor
+    entropy: torch.Tensor
+
+
+def _measure_excluded(result, out_logits, advantages, bt: BatchTensors, measured_mask, excluded, cfg) -> _Measured:
+    """`result`'s per-token quantities, with the quarantined rows' filled in by a no-grad pass of the same
+    loss over just those rows (the loss zeroes what its mask leaves out, so its own values for them say
+    nothing): the same definitions, so a quarantined island's KL compares with everyone else's."""
+    measured = _Measured(result.rho, result.weight, result.masked_low, result.masked_high, result.entropy)
+    if not excluded:
+        return measured
+    rows = torch.tensor(excluded, dtype=torch.long)
+    with torch.no_grad():
+        shadow = policy_loss(
+            out_logits[rows].detach(),
+            bt.targets[rows],
+            advantages[rows],
+            measured_mask[rows],
+            bt.sampler_logp[rows],
+            cfg.loss,
+            temperature=1.0,
+            kept=bt.kept[rows] if bt.kept is not None else None,
+            top_ids=bt.top_ids[rows],
+            top_logp=bt.top_logp[rows],
+            top_valid=bt.top_valid[rows],
         )
-    return overall, per_group
+    for name in ("rho", "weight", "masked_low", "masked_high", "entropy"):
+        full = getattr(measured, name).clone()
+        full[rows] = getattr(shadow, name)
+        setattr(measured, name, full)
+    return measured
 
 
-def _metrics(result, bt: BatchTensors, rewards: torch.Tensor, reward_events, trajectories, rows) -> dict[str, float]:
+def _metrics(
+    result, loss_mask, staleness, rewards: torch.Tensor, reward_events, trajectories, rows
+) -> dict[str, float]:
     rows = list(rows)
     index = torch.tensor(rows, dtype=torch.long)
-    mask = bt.loss_mask[index]
+    mask = loss_mask[index]
     n = int(mask.sum())
     rho = result.rho[index][mask].double()
     weight = result.weight[index][mask].double()
@@ -226,7 +295,7 @@ def _metrics(result, bt: BatchTensors, rewards: torch.Tensor, reward_events, tra
             "masked_high": float(result.masked_high[index][mask].float().mean()),
             "entropy": float(result.entropy[index][mask].mean()),
         }
-        stale = bt.staleness[index][mask]
+        stale = staleness[index][mask]
         for name, (lo, hi) in STALENESS_BUCKETS.items():
             metrics[name] = float(((stale >= lo) & (stale <= hi)).sum()) / n
         metrics["staleness_mean"] = float(stale.float().mean())
