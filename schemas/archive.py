@@ -38,7 +38,9 @@ sequence, the subject, when the log stored it and the bytes it stored. Prefixed 
 can collide with them (tests/test_archiver.py checks every event type)."""
 UNDECODABLE_COLUMNS = ("reason", "error_class")
 """What an undecodable row has besides ROW_COLUMNS: why it did not decode, and its poison class."""
-JSON_TEXT_FIELDS = frozenset({"per_group", "components", "details", "kernels", "headers", "metadata", "tensors"})
+JSON_TEXT_FIELDS = frozenset(
+    {"per_group", "components", "details", "kernels", "headers", "metadata", "tensors", "series"}
+)
 """Event fields with open-ended keys (or mixed arrays), archived as JSON text instead of a struct column."""
 
 _DIGITS = 12  # sequence numbers are zero-padded so file names sort in stream order

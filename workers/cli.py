@@ -502,6 +502,12 @@ def cmd_rewards(options, settings) -> int:
     return 0
 
 
+def cmd_experiment(options, settings) -> int:
+    from workers.experiment.stability import cmd_experiment as run_experiment
+
+    return run_experiment(options, settings)
+
+
 def cmd_bench(options: BenchOptions, settings) -> int:
     from workers.bench import run_bench
 
@@ -551,6 +557,12 @@ COMMANDS: dict[str, Command] = {
         "run the reward worker (verifiers, sandboxed)", cmd_rewards, "workers.rewards.worker:RewardSettings"
     ),
     "bench": Command("benchmarks (ratios against a baseline measured in the same run)", cmd_bench, None, BenchOptions),
+    "experiment": Command(
+        "experiments made of real runs: `stability` (which corrections keep a mixed fleet from collapsing)",
+        cmd_experiment,
+        "workers.experiment.stability:StabilitySettings",
+        "workers.experiment.stability:ExperimentOptions",
+    ),
 }
 
 

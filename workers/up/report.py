@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -107,7 +108,10 @@ def report_sections(con: duckdb.DuckDBPyConnection, views: list[str]) -> list[Se
         _reward_outcomes,
         _dead_letters,
     ]
-    return [build(con, views) for build in builders]
+    sections = [build(con, views) for build in builders]
+    if "stability" in views:  # only an experiment's archive has this section's data
+        sections.insert(0, _stability(con, views))
+    return sections
 
 
 def _rows(con, views, sql: str, needs: tuple[str, ...]) -> list[tuple] | None:
@@ -188,6 +192,58 @@ def _kl(con, views) -> Section:
         title,
         fig,
         note="Each island group serves one precision; a group whose KL climbs drifts from the trainer.",
+    )
+
+
+def _stability(con, views) -> Section:
+    """The stability experiment's table and curves, from its `stability_result.v1` events."""
+    from workers.experiment.collapse import RunOutcome
+    from workers.experiment.plots import RunCurves, stability_figure
+    from workers.experiment.stability import CORRECTIONS, PlannedRun, Recorded, relative_rows, summarize
+
+    slug, title = "stability", "Stability experiment: collapse by fleet and correction"
+    rows = _rows(
+        con,
+        views,
+        """SELECT fleet, correction, seed, updates, collapsed, updates_to_collapse, start_reward, final_reward,
+                  kl_mean, series, collapse_rule
+           FROM stability ORDER BY fleet, correction, seed""",
+        ("stability",),
+    )
+    if not rows:
+        return _no_data(slug, title)
+    recorded = [
+        Recorded(
+            PlannedRun(r[0], r[1], r[2]),
+            RunOutcome(r[3], r[4], r[5], r[6], r[7], r[8]),
+            json.loads(r[9]) if isinstance(r[9], str) else dict(r[9] or {}),
+        )
+        for r in rows
+    ]
+    cells = relative_rows(summarize(recorded))
+    fig = stability_figure(
+        [RunCurves(r.run.fleet, r.run.correction, r.run.seed, r.series) for r in recorded],
+        [c for c in CORRECTIONS if any(r.run.correction == c for r in recorded)],
+    )
+    columns = ["fleet", "correction", "collapsed", "updates to collapse", "final reward", "mean KL", "vs baseline"]
+    table = [
+        (
+            c["fleet"],
+            c["correction"],
+            f"{c['collapsed']}/{c['seeds']}",
+            "-" if c["updates_to_collapse"] is None else f"{c['updates_to_collapse']:.0f}",
+            f"{c['final_reward_mean']:.3f} ± {c['final_reward_sd']:.3f}",
+            f"{c['kl_mean']:.2e}",
+            "-" if c["final_reward_vs_baseline"] is None else f"{c['final_reward_vs_baseline']:.2f}x reward",
+        )
+        for c in cells
+    ]
+    return Section(
+        slug,
+        title,
+        fig,
+        note=f"Rule: {rows[0][10]}. Mean over seeds; the band spans the lowest to the highest seed.",
+        table_html=_table(columns, table),
     )
 
 
