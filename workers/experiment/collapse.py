@@ -53,9 +53,7 @@ class CollapseRule(Section):
     """The final reward is the mean over the last this many updates."""
 
     def describe(self) -> str:
-        formats = (
-            f" and format_error_rate >= {self.format_error_rate:g}" if self.format_error_rate is not None else ""
-        )
+        formats = f" and format_error_rate >= {self.format_error_rate:g}" if self.format_error_rate is not None else ""
         return (
             f"collapsed at the first of {self.consecutive} consecutive updates with reward_mean < start - "
             f"{self.reward_drop:g} (start: mean of the first {self.start_updates} updates){formats}, "

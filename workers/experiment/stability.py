@@ -53,7 +53,7 @@ BASELINE = ("homogeneous", "sc+mis")
 """The cell every other is compared with."""
 QUICK_CELLS = (("homogeneous", "sc+mis"), ("mixed", "none"))
 """`--quick`: the baseline and the cell the seed report says collapses, one seed each."""
-FULL_UPDATES, QUICK_UPDATES = 40, 15
+FULL_UPDATES, QUICK_UPDATES = 30, 15
 
 
 class StressSection(Section):
@@ -95,7 +95,7 @@ class ExperimentOptions(CommandOptions):
     seeds: int | None = Field(None, ge=1)
     """Seeds per cell (default 3; 1 with --quick)."""
     updates: int | None = Field(None, ge=1)
-    """Updates per run (default 40; 15 with --quick)."""
+    """Updates per run (default 30; 15 with --quick)."""
     fleets: list[str] | None = None
     """Only these fleets (homogeneous, mixed)."""
     corrections: list[str] | None = None
@@ -255,6 +255,16 @@ async def _append(settings: StabilitySettings, event) -> None:
 async def _archive(settings: StabilitySettings, experiment_id: str) -> int:
     """Bring the experiment's archive up to date (its results; each run's archive `up` drained)."""
     from infra import stack
+    from infra.streams import apply
+    from pipeline.eventlog import EventLog
+
+    # The experiment's id is a run of its own in the log: its archiver's consumers are declared like
+    # any run's (as `sprawl up` does for each cell's run), by the experiment's own (admin) identity.
+    event_log = await EventLog.connect(settings, worker="experiment")
+    try:
+        await apply(event_log.js, settings.streams, experiment_id, log=settings.log, nats=settings.nats)
+    finally:
+        await event_log.close()
     from pipeline.config import load_settings
     from workers.archiver import ArchiverSettings, drain_once
 
