@@ -27,7 +27,7 @@ SECRET_NAME = "sprawl-join"
 never on a command line)."""
 ISLAND_GPUS = ("H100", "A100-80GB", "L4")
 """Accelerator types islands run on, in order of preference (Modal's names)."""
-VIEWS = ("bf16", "fp8_e4m3")
+VIEWS = ("bf16", "fp8_e4m3", "mxfp4")
 """The served views an island can take (workers/sampler/settings.py: ViewName; a test keeps them equal)."""
 TORCH = "torch==2.13.0"
 """The README's install: this torch first (on Linux, PyPI's build of it is the CUDA one), then sprawl."""
@@ -108,7 +108,7 @@ def island(view: str = "bf16") -> int:
 
 
 @app.local_entrypoint()
-def main(views: str = ",".join(VIEWS), per_view: int = 1, gpus: str = "") -> None:
+def main(views: str = "bf16,fp8_e4m3", per_view: int = 1, gpus: str = "") -> None:
     plan = island_plan(views.split(","), per_view, gpus.split(",") if gpus else None)
     calls = [island.with_options(gpu=launch.gpu).spawn(launch.view) for launch in plan]
     for launch, call in zip(plan, calls, strict=True):
