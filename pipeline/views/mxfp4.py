@@ -13,14 +13,18 @@ Rounding rule implemented (MX v1.0 §6.3, "Conversion from vector of scalar floa
     P_i = quantize_to_E2M1(V_i / X)   round to nearest, ties to even; |V_i / X| above the largest
                                       normal (6.0) saturates to ±6
 
-Computed exactly: floor(log2) from `torch.frexp` (no float log), V/X by `torch.ldexp` in float64
-(a power-of-two scaling of an fp32 value is exact there), the E2M1 rounding by `torch.round`
-(half-to-even) on the grid's three exponent ranges. The sign of each element is kept, as an IEEE
-cast keeps it (a small negative value rounds to -0, code 8). Two cases the spec leaves to us:
+Computed exactly from the fp32 value of each weight (as the fp8 view, master weights are fp32; bf16
+widens exactly): floor(log2) from `torch.frexp` (no float log), V/X by `torch.ldexp` (a power-of-two
+scaling: exact in fp32 unless P falls below 2^-126, where it rounds to 0 whatever its low bits), the
+E2M1 rounding by comparisons with the midpoints between codes (ties to the even mantissa). All in
+fp32 and comparisons on purpose: torch's float64 ops and `round` run ~1000x slower on small tensors
+under a loaded thread pool. The sign of each element is kept, as an IEEE cast keeps it (a small
+negative value rounds to -0, code 8). Two cases the spec leaves to us:
 - an all-zero block gets scale byte 0 (2^-127) and zero codes (its log2 is -inf);
-- a block holding NaN or ±inf gets scale byte 0xFF (NaN: §6.3 "if max|V_i| is Inf or NaN, X is
-  NaN"), and zero codes, so every element of it dequantizes to NaN. Master weights never hold
-  either; this only keeps a corrupt master from being served as finite numbers.
+- a block holding NaN or ±inf gets scale byte 0xFF (the E8M0 NaN; the spec reads a NaN scale as
+  every element of the block NaN) and zero codes, so every element dequantizes to NaN. Our choice
+  for a case §6.3's algorithm does not spell out; master weights never hold either, this only keeps
+  a corrupt master from being served as finite numbers.
 
 What stays bf16: embeddings, lm_head, norms, MoE routers (`mlp.gate.weight`), exactly what the fp8
 view keeps (`is_fp8_linear`), as serving stacks do; and any linear whose input dim is not a multiple
@@ -28,8 +32,9 @@ of 32 (it has no whole blocks; such a layer would also have to be listed in the 
 
 On-disk layout (matched to AMD Quark's MXFP4 export, which vLLM and SGLang load through their
 `quark` quantization method, scheme `QuarkW4A4MXFP4`: `weight` uint8 `[out, in/2]`, `weight_scale`
-uint8 `[out, in/32]`, and their `mxfp4_to_f32` unpacks element 2j from the low nibble, 2j+1 from
-the high nibble; `e8m0_to_f32` is 2^(byte-127)):
+uint8 `[out, in/32]` (its `create_weights`); the emulation path's `mxfp4_to_f32` unpacks element 2j
+from the low nibble, 2j+1 from the high one, and `e8m0_to_f32` is 2^(byte-127), 0xFF NaN. Read in
+vLLM/SGLang sources through a code search, not run):
 
     <name>.weight        uint8 [out, in/2]   two E2M1 codes a byte, element 2j in the low nibble
     <name>.weight_scale  uint8 [out, in/32]  E8M0 shared scale of each block of 32
@@ -59,25 +64,24 @@ SIGN_BIT = 0x8
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 """The magnitude of codes 0..7; code | 8 is the negative."""
 
-# 2 * magnitude (an integer 0..12) -> code; the odd entries and 7, 9..11 never occur.
-_CODE_OF_TWICE = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=torch.uint8)
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+"""Halfway between E2M1 codes i and i+1."""
+_TIES_ROUND_UP = (0.75, 1.75, 3.5)
+"""The midpoints whose upper neighbour has the even mantissa (codes 2, 4, 6: 1.0, 2.0, 4.0)."""
 
 
 def round_to_e2m1(magnitude: torch.Tensor) -> torch.Tensor:
-    """|P| (float64, >= 0, finite) -> the E2M1 code 0..7: round to nearest, ties to even, saturating at 6.
+    """|P| (fp32, >= 0) -> the E2M1 code 0..7: round to nearest, ties to even, saturating at 6.
 
-    The grid's spacing is 0.5 below 2, 1 in [2, 4), 2 from 4; `torch.round` rounds half to even, and
-    in each range an even multiple of the spacing is an even mantissa (0.25 -> 0, 0.75 -> 1, 1.75 -> 2,
-    2.5 -> 2, 3.5 -> 4, 5 -> 4). A tie at a range's top (1.75, 3.5) rounds up into the next range's
-    first value, which is that range's even end too.
+    The code is the number of midpoints |P| lies above, plus one where |P| is exactly a midpoint whose
+    upper neighbour is the even one (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4,
+    5 -> 4). Above 5 every value is code 7 (6.0): saturation needs no clamp. Comparisons only, so
+    exact, and fast on small tensors (torch's `round` and `bucketize` are not, under a loaded thread pool).
     """
-    magnitude = magnitude.clamp(max=E2M1_MAX)
-    twice = torch.where(
-        magnitude < 2,
-        torch.round(magnitude * 2),
-        torch.where(magnitude < 4, torch.round(magnitude) * 2, torch.round(magnitude / 2) * 4),
-    )
-    return _CODE_OF_TWICE[twice.clamp(max=12).to(torch.long)]
+    code = torch.zeros(magnitude.shape, dtype=torch.uint8)
+    for midpoint in _MIDPOINTS:
+        code += magnitude > midpoint if midpoint not in _TIES_ROUND_UP else magnitude >= midpoint
+    return code
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,15 +89,15 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = weight.shape
     if cols % MX_BLOCK:
         raise ValueError(f"input dim {cols} is not a multiple of the MX block ({MX_BLOCK})")
-    blocks = weight.detach().to("cpu", torch.float64).reshape(rows, cols // MX_BLOCK, MX_BLOCK)
+    blocks = weight.detach().to("cpu", torch.float32).reshape(rows, cols // MX_BLOCK, MX_BLOCK)
     amax = blocks.abs().amax(dim=-1)  # NaN propagates, inf stays inf
     _, exponent = torch.frexp(amax)  # amax = m * 2^e, m in [0.5, 1): floor(log2 amax) = e - 1
-    shared = (exponent.to(torch.int64) - 1 - E2M1_EMAX).clamp(-E8M0_BIAS, E8M0_BIAS)
+    shared = (exponent.to(torch.int32) - 1 - E2M1_EMAX).clamp(-E8M0_BIAS, E8M0_BIAS)
     zero = amax == 0
     special = ~torch.isfinite(amax)
     shared = torch.where(zero | special, torch.full_like(shared, -E8M0_BIAS), shared)
-    scaled = torch.ldexp(blocks, (-shared)[..., None])  # V / X, exact: a power-of-two scaling in float64
-    codes = round_to_e2m1(torch.nan_to_num(scaled.abs(), nan=0.0, posinf=0.0))
+    scaled = torch.ldexp(blocks, (-shared)[..., None])  # V / X, exact: a power-of-two scaling
+    codes = round_to_e2m1(scaled.abs())  # NaN/inf blocks get zero codes below
     codes = codes | (torch.signbit(blocks).to(torch.uint8) * SIGN_BIT)
     codes = torch.where(special[..., None], torch.zeros_like(codes), codes)
     scale = (shared + E8M0_BIAS).to(torch.uint8)
