@@ -14,7 +14,7 @@ from pipeline.keyframe import write_checkpoint
 from pipeline.materialize import VersionUnbuildable, verify_directory
 from pipeline.sampling import process_logits
 from pipeline.views import dequantize_mxfp4, get_view, quantize_mxfp4
-from pipeline.views.mxfp4 import E2M1_VALUES, MX_BLOCK, unpack_nibbles
+from pipeline.views.mxfp4 import E2M1_VALUES, MX_BLOCK, decode_e2m1, e8m0_to_float, unpack_nibbles
 from schemas import SamplingParams
 from tests.chain_helpers import CorruptingBlobStore, expected_root, materializer, patch_key, publisher
 from tests.tiny_models import adam_like_step, tiny_moe
@@ -104,6 +104,13 @@ def test_nibble_order_element_2j_in_the_low_nibble():
     packed, scale = quantize_mxfp4(weight)
     assert packed[0, :2].tolist() == [0x71, 0x0A] and scale.tolist() == [[127]]
     assert unpack_nibbles(torch.tensor([[0x71, 0x0A]], dtype=torch.uint8)).tolist() == [[1, 7, 10, 0]]
+
+
+def test_every_e8m0_byte_and_e2m1_code_decodes_to_its_value():
+    values = e8m0_to_float(torch.arange(256, dtype=torch.uint8))
+    assert values[:255].tolist() == [math.ldexp(1.0, b - 127) for b in range(255)] and values[255].isnan()
+    signed = decode_e2m1(torch.arange(16, dtype=torch.uint8)).tolist()
+    assert signed == GRID + [-v for v in GRID] and math.copysign(1, signed[8]) == -1
 
 
 def _nearest_e2m1(p: torch.Tensor) -> torch.Tensor:
