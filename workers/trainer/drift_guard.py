@@ -4,11 +4,18 @@ A mixed fleet is different by design: an mxfp4 island's sampler-trainer KL is se
 island's. What must stand out is an island far off the fleet, e.g. one that dequantizes its weights
 wrongly. So each island is compared with the fleet, not with a fixed number:
 
-- per island, the last `window` updates' token counts, token-weighted k3 KL and ESS ratio are pooled;
-- the baseline is the median of the pooled KL over islands with at least `min_tokens` tokens in their
-  window (a minority of broken islands cannot move a median), floored at `floor_kl_k3` so that a fleet
-  whose KL is ~0 does not flag noise; with fewer than `min_islands` such islands there is no meaningful
-  median (of two, one broken island drags it to half its own KL) and the floor alone is the baseline;
+- per island, the last `window` updates' token counts, k3 KL and ESS ratio are kept; the island's
+  KL over the window is the token-weighted median of its per-update KLs. Not the pooled mean: k3 is
+  heavy-tailed (one rare token the trainer likes 30x more than the sampler did adds ~26 / tokens to
+  an update's mean), and on the demo a healthy mxfp4 island's single updates spike 40x above its
+  median while a broken island is off in every update. The pooled mean is reported beside it;
+- an island's baseline is the median of that KL over the OTHER islands with at least `min_tokens`
+  tokens in their window (a minority of broken islands cannot move a median, and an island never
+  props up its own baseline: in a fleet of bf16 + fp8 + mxfp4 + one broken island the median of all
+  four would be half an mxfp4 island's KL, the median of the other three is the fp8 island's),
+  floored at `floor_kl_k3` so that a fleet whose KL is ~0 does not flag noise; with fewer than
+  `min_islands` judged islands (itself included) there is no meaningful median (of two, each is the
+  other's whole baseline) and the floor alone is the baseline;
 - an island above `factor` x baseline is flagged; a flagged one recovers below `recover_factor` x
   baseline (hysteresis); an island without `min_tokens` in its window keeps its verdict.
 
@@ -44,7 +51,9 @@ class IslandState:
     tokens: float
     """Tokens in its window."""
     kl_k3: float
-    """Token-weighted k3 KL over its window."""
+    """Token-weighted median of its per-update k3 KL over the window: what it is judged on."""
+    kl_k3_mean: float
+    """Token-weighted mean of its k3 KL over the window (every token's k3, pooled)."""
     ess_ratio: float
     """Token-weighted ESS ratio over its window."""
     flagged: bool
@@ -71,9 +80,12 @@ class DriftGuard:
         self._windows: dict[str, deque[tuple[int, IslandUpdate]]] = {}
         self._views: dict[str, str] = {}
         self._flagged: set[str] = set()
+        self._baselines: dict[str, float] = {}
+        """Per judged island, the baseline it was judged against in the latest update."""
         self._updates = 0
         self.baseline_kl_k3 = cfg.floor_kl_k3
-        """The baseline of the latest update."""
+        """The fleet's baseline after the latest update: the median over all judged islands, floored
+        (what the live view shows; each island is judged against the median of the others)."""
 
     @property
     def flagged(self) -> frozenset[str]:
@@ -105,23 +117,30 @@ class DriftGuard:
                 window.popleft()
         states = self.states()
         judged = {island: s for island, s in states.items() if s.tokens >= self.cfg.min_tokens}
-        self.baseline_kl_k3 = self._baseline([s.kl_k3 for s in judged.values()])
+        kls = {island: s.kl_k3 for island, s in judged.items()}
+        self.baseline_kl_k3 = self._baseline(list(kls.values()), len(kls))
+        self._baselines = {}
         changes = []
         for island, s in sorted(judged.items()):
-            if island not in self._flagged and s.kl_k3 > self.cfg.factor * self.baseline_kl_k3:
+            baseline = self._baseline([kl for other, kl in kls.items() if other != island], len(kls))
+            self._baselines[island] = baseline
+            if island not in self._flagged and s.kl_k3 > self.cfg.factor * baseline:
                 self._flagged.add(island)
-                changes.append(self._change(s, "flagged", version))
-            elif island in self._flagged and s.kl_k3 < self.cfg.recover_factor * self.baseline_kl_k3:
+                changes.append(self._change(s, "flagged", version, baseline))
+            elif island in self._flagged and s.kl_k3 < self.cfg.recover_factor * baseline:
                 self._flagged.discard(island)
-                changes.append(self._change(s, "recovered", version))
+                changes.append(self._change(s, "recovered", version, baseline))
         return changes
 
-    def _baseline(self, kls: list[float]) -> float:
-        if len(kls) < self.cfg.min_islands:
+    def _baseline(self, kls: list[float], judged: int) -> float:
+        """The median of `kls`, floored; the floor alone when fewer than `min_islands` are judged."""
+        if judged < self.cfg.min_islands or not kls:
             return self.cfg.floor_kl_k3
         return max(statistics.median(kls), self.cfg.floor_kl_k3)
 
-    def _change(self, s: IslandState, state: Literal["flagged", "recovered"], version: int) -> DriftChange:
+    def _change(
+        self, s: IslandState, state: Literal["flagged", "recovered"], version: int, baseline: float
+    ) -> DriftChange:
         return DriftChange(
             island_id=s.island_id,
             view=s.view,
@@ -129,7 +148,7 @@ class DriftGuard:
             version=version,
             kl_k3=s.kl_k3,
             ess_ratio=min(max(s.ess_ratio, 0.0), 1.0),
-            baseline_kl_k3=self.baseline_kl_k3,
+            baseline_kl_k3=baseline,
             factor=self.cfg.factor,
             quarantined=state == "flagged" and self.cfg.quarantine,
         )
@@ -145,7 +164,8 @@ class DriftGuard:
                 island_id=island,
                 view=self._views.get(island, ""),
                 tokens=tokens,
-                kl_k3=sum(u.tokens * u.kl_k3 for _, u in window) / tokens,
+                kl_k3=weighted_median([(u.kl_k3, u.tokens) for _, u in window]),
+                kl_k3_mean=sum(u.tokens * u.kl_k3 for _, u in window) / tokens,
                 ess_ratio=sum(u.tokens * u.ess_ratio for _, u in window) / tokens,
                 flagged=island in self._flagged,
             )
@@ -160,9 +180,27 @@ class DriftGuard:
         return {
             island: {
                 "window_kl_k3": s.kl_k3,
+                "window_kl_k3_mean": s.kl_k3_mean,
                 "window_ess_ratio": s.ess_ratio,
                 "window_tokens": s.tokens,
                 "flagged": float(s.flagged),
+                **({"baseline_kl_k3": self._baselines[island]} if island in self._baselines else {}),
             }
             for island, s in self.states().items()
         }
+
+
+def weighted_median(values: list[tuple[float, float]]) -> float:
+    """The weighted median of (value, weight) pairs (weights > 0): the value at which the cumulative
+    weight passes half the total; where it lands exactly on half, the midpoint of the values on either
+    side (the plain median of equal weights)."""
+    ordered = sorted(values)
+    half = sum(w for _, w in ordered) / 2
+    running = 0.0
+    for i, (value, weight) in enumerate(ordered):
+        running += weight
+        if running > half:
+            return value
+        if running == half and i + 1 < len(ordered):
+            return (value + ordered[i + 1][0]) / 2
+    return ordered[-1][0]

@@ -20,37 +20,44 @@ class DriftSection(Section):
     exceeds the fleet's robust baseline by `factor` is flagged (and, with `quarantine`, left out of the
     loss until it recovers).
 
-    The defaults are set from measurements on the demo task (tiny Qwen3-MoE, temperature 1, top-p 0.95;
-    `tests/test_drift_guard.py` and the report of issue 18): healthy islands' windowed k3 KL is about
-    bf16 2e-4..1e-3, fp8_e4m3 the same order, mxfp4 up to ~10x bf16, while an island that dequantizes
-    its weights wrongly is at 1e-1 and more. Any factor between ~20 and ~100 separates the two; 25 sits
-    with room on both sides."""
+    The defaults come from measurements on the demo task (tiny Qwen3-MoE warmed up 550 steps as `sprawl
+    up` does, temperature 1, top-p 0.95, 16 trajectories per island per update, 30 updates of RL;
+    figures in issue 18's drift-guard report). Windowed k3 KL (the median over the window's updates):
+    healthy bf16 5e-5..1.5e-4, fp8_e4m3 9e-5..5e-4, mxfp4 2e-4..1.1e-2 (4-bit weights: up to ~40x
+    fp8, and growing as RL sharpens the policy); wrong dequantization: fp8 read as e4m3fnuz (weights
+    halved) 0.18..0.56, mxfp4 with swapped nibbles 2.5..6. The threshold, factor x baseline, is at least
+    50 x 1e-3 = 5e-2: ~4x above the worst healthy mxfp4 window and ~4x below the mildest broken one."""
 
     enabled: bool = True
-    """Measure and judge islands. Cheap (per-island sums of metrics the update computes anyway)."""
-    window: int = Field(4, ge=1)
-    """Updates an island's KL is pooled over (token-weighted). Short enough that a broken island is
-    flagged within a few updates, long enough that one unlucky batch of an island with few tokens in it
-    is not a verdict."""
-    factor: float = Field(25.0, gt=1)
-    """Flag an island whose windowed KL exceeds factor x the fleet's baseline. mxfp4 islands are ~10x
-    a bf16 island's KL by design (4-bit weights), a broken dequantization is >100x: 25 keeps the first
-    and catches the second."""
+    """Measure and judge islands. Cheap: per-island sums of quantities the update computes anyway."""
+    window: int = Field(8, ge=1)
+    """Updates an island's KL is judged over (the token-weighted median of their KLs). One rare token
+    makes a single update's KL spike 10-40x; the median of 8 updates ignores up to 3 such spikes. A
+    verdict does not wait for the window to fill (`min_tokens` decides), so the window costs no
+    detection latency; it sets how long a repaired island takes to recover (its bad updates must age
+    out: about half the window)."""
+    factor: float = Field(50.0, gt=1)
+    """Flag an island whose windowed KL exceeds factor x the fleet's baseline. A healthy mxfp4 island's
+    KL is 10-40x a bf16 or fp8 island's (measured), and in a fleet of bf16 + fp8 + mxfp4 the median is
+    the fp8 island; a broken dequantization is 500x and more: 50 keeps the first and catches the second."""
     recover_factor: float = Field(10.0, gt=0)
-    """A flagged island recovers when its windowed KL falls below recover_factor x baseline (below
-    `factor`: hysteresis, so an island near the line does not flip every update)."""
-    floor_kl_k3: float = Field(2e-3, gt=0)
-    """The baseline never falls below this: in a fleet where every island is ~0 (same numerics as the
-    trainer), noise of 1e-5 against a median of 1e-6 is not a drift. Also the whole baseline when fewer
-    than `min_islands` islands can be judged; then factor x floor (5e-2 by default) is an absolute bound
-    that a healthy mxfp4 island stays under and a broken one does not."""
+    """A flagged island recovers when its windowed KL falls below recover_factor x baseline; below
+    `factor`, so an island near the line does not flip every update (hysteresis)."""
+    floor_kl_k3: float = Field(1e-3, gt=0)
+    """The baseline never falls below this: in a fleet whose KL is ~0 (every island computes like the
+    trainer) a rare-token spike against a median of 1e-5 is not a drift. It is also the whole baseline
+    when fewer than `min_islands` islands can be judged, where factor x floor (5e-2) is an absolute
+    bound: a healthy island of any view stays ~4x under it on the demo, a broken one ~4x over. On a
+    model whose healthy KL is higher (a larger one, a sampler-trainer temperature mismatch), set it
+    from a healthy run's per-island metrics."""
     min_islands: int = Field(3, ge=1)
-    """Islands with enough tokens needed for the median to be the baseline. With two, the median is
-    their mean, which a broken island drags up to half its own KL: it could never exceed 2x it. With
-    fewer than this the baseline is `floor_kl_k3` alone."""
-    min_tokens: int = Field(64, ge=1)
-    """Tokens an island needs in its window to be judged (and to count in the baseline); below it its
-    verdict stands as it was."""
+    """Judged islands needed for their median to be the baseline. Of two, the median is their mean,
+    which a broken island drags up to half its own KL: it could never exceed 2x that. With fewer than
+    this the baseline is `floor_kl_k3` alone."""
+    min_tokens: int = Field(128, ge=1)
+    """Tokens an island needs in its window to be judged and to count in the baseline (below it its
+    verdict stands): with fewer, one rare-token spike would be the whole verdict. About 3 updates of
+    an island that samples 16 trajectories of the demo task (~3.5 tokens each) per update."""
     quarantine: bool = False
     """Leave a flagged island's trajectories out of the loss until it recovers (they are still forwarded,
     so its KL stays measured). Off by default: flagging is a diagnosis, quarantine changes training."""
