@@ -30,7 +30,7 @@ from pipeline.model_construction import MODEL_CONSTRUCTION
 from pipeline.sampling import draw, process_logits, truncates
 from schemas import VersionSpan
 from workers.sampler.engines.base import Capabilities, EngineUnavailable, GenerateRequest, Sample
-from workers.sampler.engines.weights import Fault, load_config, model_state_dict
+from workers.sampler.engines.weights import CheckpointLayoutError, Fault, load_config, model_state_dict
 
 log = get_logger(__name__)
 
@@ -148,6 +148,8 @@ class ReferenceEngine:
         if self.model is None:
             changed = None  # the first load builds the whole model
         state = await asyncio.to_thread(model_state_dict, path, self.dtype, changed, self.fault)
+        if self.model is not None:
+            self._check_fits(state, whole=changed is None)
         if self.model is None:
             await asyncio.to_thread(self._build, path, state, version)
             return 0.0
@@ -159,7 +161,10 @@ class ReferenceEngine:
         config = load_config(path)
         with MODEL_CONSTRUCTION:  # transformers switches torch's process-wide default dtype meanwhile
             model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
-        model.load_state_dict(state, strict=True)
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as mismatch:  # missing, unexpected or mis-shaped tensors
+            raise CheckpointLayoutError(f"{path} does not fit its config's model: {mismatch}") from None
         model.to(self.device).eval()
         keyword = cache_keyword(model)
         with self._lock:
@@ -171,6 +176,23 @@ class ReferenceEngine:
             self._apply_state(state, version)
         return time.perf_counter() - t0
 
+    def _check_fits(self, state: dict[str, torch.Tensor], *, whole: bool) -> None:
+        """Before a single parameter changes: every tensor names a parameter of the built model and has
+        its shape (`copy_` would broadcast a [1, in] tensor over [out, in] without a word), and a whole
+        version covers every parameter (one left out would keep serving the previous version's bits)."""
+        assert self.model is not None
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, tensor in state.items():
+            if name not in params:
+                raise CheckpointLayoutError(f"{name} is not a parameter of the model being served")
+            if tensor.shape != params[name].shape:
+                raise CheckpointLayoutError(
+                    f"{name} is {tuple(tensor.shape)}, the served model's is {tuple(params[name].shape)}"
+                )
+        missing = sorted(dict(self.model.named_parameters()).keys() - state.keys()) if whole else []
+        if missing:
+            raise CheckpointLayoutError(f"a whole version without {', '.join(missing[:3])} ({len(missing)} missing)")
+
     def _apply_state(self, state: dict[str, torch.Tensor], version: int) -> None:
         assert self.model is not None
         params = dict(self.model.named_parameters())
@@ -181,6 +203,7 @@ class ReferenceEngine:
 
     def stage_for_next_step(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Commit at the next decode step of a running generation (or at once when idle)."""
+        self._check_fits(state, whole=False)
         with self._lock:
             self._pending = (state, version)
 

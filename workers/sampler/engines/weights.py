@@ -23,6 +23,8 @@ from safetensors import safe_open
 from pipeline.errors import SprawlError
 from pipeline.keyframe import INDEX_FILE
 from pipeline.views import dequantize_fp8_block, dequantize_mxfp4
+from pipeline.views.fp8_e4m3 import FP8_BLOCK
+from pipeline.views.mxfp4 import E8M0_NAN, MX_BLOCK
 
 Fault = Literal["none", "wrong_dequant"]
 """Test-only fault injection of the reference engine (`IslandSection.fault`)."""
@@ -86,10 +88,55 @@ def affected_disk_tensors(directory: Path, changed: list[str]) -> set[str]:
     return {n for n in names if weight_of(n) in weights}
 
 
+class UnservableWeights(SprawlError):
+    """A materialized version holds a value no engine may compute with (NaN or infinity)."""
+
+    def __init__(self, detail: str):
+        super().__init__(
+            detail,
+            hint="the version's bits are what its publisher wrote (materialization verified them), so the "
+            "trainer published a non-finite weight or a forged checkpoint; serve an earlier version",
+        )
+
+
+def _two_dims(name: str, tensor: torch.Tensor) -> tuple[int, int]:
+    if tensor.dim() != 2:
+        raise CheckpointLayoutError(f"{name} is quantized ({tensor.dtype}) but not 2-D: {tuple(tensor.shape)}")
+    return tensor.shape[0], tensor.shape[1]
+
+
+def _fp8_scale_shape(name: str, tensor: torch.Tensor) -> tuple[int, int]:
+    rows, cols = _two_dims(name, tensor)
+    return -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+
+
+def _mxfp4_scale_shape(name: str, tensor: torch.Tensor) -> tuple[int, int]:
+    rows, half_cols = _two_dims(name, tensor)
+    if (2 * half_cols) % MX_BLOCK:
+        raise CheckpointLayoutError(
+            f"{name} packs {2 * half_cols} inputs a row, not whole MX blocks of {MX_BLOCK} (the mxfp4 view "
+            "keeps such a linear in bf16)"
+        )
+    return rows, 2 * half_cols // MX_BLOCK
+
+
+def _check_scale(name: str, tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, shape: tuple) -> None:
+    """A scale that does not fit its weight would be broadcast, truncated or cast into wrong values
+    without a word (a float read as E8M0 bytes, a grid cut to size): refuse it instead."""
+    if scale.dtype != dtype or tuple(scale.shape) != shape:
+        raise CheckpointLayoutError(
+            f"the scale of {name} is {scale.dtype} {tuple(scale.shape)}; its weight "
+            f"{tensor.dtype} {tuple(tensor.shape)} needs {dtype} {shape}"
+        )
+
+
 def _dequantize(name: str, tensor: torch.Tensor, tensors: dict[str, torch.Tensor], fault: Fault) -> torch.Tensor | None:
     """fp32 values of a quantized weight, or None when `name` is not one."""
     fp8_scale_inv, mx_scale = tensors.get(name + "_scale_inv"), tensors.get(name + "_scale")
+    if fp8_scale_inv is not None and mx_scale is not None:
+        raise CheckpointLayoutError(f"{name} has both an fp8 `_scale_inv` and an mxfp4 `_scale`")
     if tensor.dtype == torch.float8_e4m3fn and fp8_scale_inv is not None:
+        _check_scale(name, tensor, fp8_scale_inv, torch.float32, _fp8_scale_shape(name, tensor))
         if fault == "wrong_dequant":
             # The bits read as e4m3fnuz (ROCm's fp8, exponent bias 8 not 7), the confusion vLLM's
             # normalize_e4m3fn_to_e4m3fnuz exists to undo: every value halves. (A transposed or rolled
@@ -97,11 +144,18 @@ def _dequantize(name: str, tensor: torch.Tensor, tensors: dict[str, torch.Tensor
             return dequantize_fp8_block(tensor, fp8_scale_inv * 0.5)
         return dequantize_fp8_block(tensor, fp8_scale_inv)
     if tensor.dtype == torch.uint8 and mx_scale is not None:
+        _check_scale(name, tensor, mx_scale, torch.uint8, _mxfp4_scale_shape(name, tensor))
+        if bool((mx_scale == E8M0_NAN).any()):
+            # 0xFF is the E8M0 NaN: the whole block reads as NaN (our quantizer writes it for a master
+            # block holding NaN/inf). Never computed with, whatever the fault injection says.
+            raise UnservableWeights(f"{name} has an E8M0 scale 0xFF (NaN): its block is not a number")
         if fault == "wrong_dequant":
             tensor = ((tensor & 0x0F) << 4) | (tensor >> 4)  # the two nibbles of each byte swapped
         return dequantize_mxfp4(tensor, mx_scale)
     if tensor.dtype in (torch.float8_e4m3fn, torch.uint8) and name.endswith(".weight"):
         raise CheckpointLayoutError(f"{name} is quantized ({tensor.dtype}) but its scale is missing")
+    if fp8_scale_inv is not None or mx_scale is not None:
+        raise CheckpointLayoutError(f"{name} is {tensor.dtype}, not quantized, yet it has a scale")
     return None
 
 
@@ -109,13 +163,22 @@ def to_compute_dtype(
     tensors: dict[str, torch.Tensor], dtype: torch.dtype, fault: Fault = "none"
 ) -> dict[str, torch.Tensor]:
     """Dequantize block-fp8 (`weight` + `weight_scale_inv`) and MXFP4 (`weight` + `weight_scale`)
-    weights and cast everything to `dtype`; scales are consumed, never loaded into the model."""
+    weights and cast everything to `dtype`; scales are consumed, never loaded into the model.
+
+    Refused, never served: a scale without its weight, a scale that does not fit its weight, and any
+    value that is not finite once in `dtype` (an E8M0 NaN scale, an fp8 NaN code, a bf16 NaN, or a large
+    E8M0 byte whose product overflows): generation fed a NaN would sample garbage without a word."""
     out = {}
     for name, tensor in tensors.items():
-        if weight_of(name) != name:
+        weight = weight_of(name)
+        if weight != name:
+            if weight not in tensors:
+                raise CheckpointLayoutError(f"{name} is a scale without its weight {weight}")
             continue
         values = _dequantize(name, tensor, tensors, fault)
         out[name] = (values if values is not None else tensor).to(dtype)
+        if out[name].is_floating_point() and not bool(torch.isfinite(out[name]).all()):
+            raise UnservableWeights(f"{name} holds a non-finite value once dequantized to {dtype}")
     return out
 
 
@@ -137,10 +200,15 @@ def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ids = sorted(by_expert)
         if ids != list(range(len(ids))):
             raise CheckpointLayoutError(f"{prefix}: experts {ids} are not 0..{len(ids) - 1}")
-        out[f"{prefix}gate_up_proj"] = torch.stack(
-            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]], dim=0) for e in ids]
-        )
-        out[f"{prefix}down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in ids])
+        try:
+            out[f"{prefix}gate_up_proj"] = torch.stack(
+                [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]], dim=0) for e in ids]
+            )
+            out[f"{prefix}down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in ids])
+        except KeyError as missing:
+            raise CheckpointLayoutError(f"{prefix}: an expert has no {missing.args[0]}") from None
+        except RuntimeError as mismatch:  # experts of different shapes cannot be fused
+            raise CheckpointLayoutError(f"{prefix}: the experts' shapes differ ({mismatch})") from None
     return out
 
 
