@@ -70,44 +70,67 @@ class RunOutcome:
     start_reward: float
     final_reward: float
     kl_mean: float
+    updates_without_tokens: int = 0
+    """Updates where no token was left in the loss (the trainer then writes no KL, ESS or entropy and
+    its gradient is 0): a run made of them did not train, so "stable" would say nothing about it."""
 
 
 def _finite(value: float) -> bool:
     return math.isfinite(value) and value != -1.0  # the trainer writes -1 for a non-finite grad norm
 
 
+def _finite_mean(values: Sequence[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.fmean(finite) if finite else math.nan
+
+
 def judge(series: Mapping[str, Sequence[float]], rule: CollapseRule) -> RunOutcome:
-    """Apply `rule` to one run's per-update series (each key of `SERIES`, one value per update)."""
+    """Apply `rule` to one run's per-update series (each key of `SERIES`, one value per update; NaN
+    where an update had no value, e.g. no KL when every token left the loss).
+
+    An update without a reward (NaN) is no evidence either way: it neither extends nor breaks a streak,
+    and the start and final rewards are means over the updates that have one."""
     rewards = list(series.get("reward_mean", []))
     if not rewards:
         raise ValueError("a run without updates cannot be judged")
     n = len(rewards)
+    for name, values in series.items():
+        if len(values) != n:  # a short series would be read past its end, or misaligned with the rewards
+            raise ValueError(f"a run's {name} has {len(values)} values for its {n} updates")
     errors = list(series.get("format_error_rate", [0.0] * n))
     losses = list(series.get("loss", [0.0] * n))
     grads = list(series.get("grad_norm", [0.0] * n))
-    start = statistics.fmean(rewards[: rule.start_updates])
+    start = _finite_mean(rewards[: rule.start_updates])
+    if math.isnan(start):
+        raise ValueError(f"a run whose first {rule.start_updates} updates have no reward has no start to fall from")
     collapse_at: int | None = None
     streak = 0
     for i in range(n):
         if not (math.isfinite(losses[i]) and _finite(grads[i])):
             collapse_at = i + 1
             break
+        if math.isnan(rewards[i]):
+            continue
         malformed = rule.format_error_rate is None or errors[i] >= rule.format_error_rate
         if rewards[i] < start - rule.reward_drop and malformed:
             streak += 1
             if streak == rule.consecutive:
-                collapse_at = i + 2 - rule.consecutive
+                collapse_at = i + 1  # provisional: dated to the streak's first update below
                 break
         else:
             streak = 0
-    kl = [v for v in series.get("kl_k3", []) if math.isfinite(v)]
+    if collapse_at is not None and streak == rule.consecutive:
+        low = [j for j in range(collapse_at) if not math.isnan(rewards[j])][-rule.consecutive]
+        collapse_at = low + 1
+    kl = list(series.get("kl_k3", [math.nan] * n))
     return RunOutcome(
         updates=n,
         collapsed=collapse_at is not None,
         updates_to_collapse=collapse_at,
         start_reward=start,
-        final_reward=statistics.fmean(rewards[-rule.final_updates :]),
-        kl_mean=statistics.fmean(kl) if kl else math.nan,
+        final_reward=_finite_mean(rewards[-rule.final_updates :]),
+        kl_mean=_finite_mean(kl),
+        updates_without_tokens=sum(1 for v in kl if math.isnan(v)) if "kl_k3" in series else 0,
     )
 
 
@@ -137,10 +160,11 @@ class CellSummary:
 
 
 def summarize_cell(fleet: str, correction: str, outcomes: Sequence[RunOutcome]) -> CellSummary:
-    """Mean and spread over a cell's seeds (sample sd; 0 with one seed)."""
+    """Mean and spread over a cell's seeds (sample sd; 0 with one seed); a seed without a final reward
+    or a KL (NaN) is left out of that mean, not allowed to turn it into NaN."""
     if not outcomes:
         raise ValueError(f"cell {fleet}/{correction} has no runs")
-    finals = [o.final_reward for o in outcomes]
+    finals = [o.final_reward for o in outcomes if math.isfinite(o.final_reward)]
     collapse_points = [o.updates_to_collapse for o in outcomes if o.updates_to_collapse is not None]
     kls = [o.kl_mean for o in outcomes if math.isfinite(o.kl_mean)]
     return CellSummary(
@@ -149,7 +173,7 @@ def summarize_cell(fleet: str, correction: str, outcomes: Sequence[RunOutcome]) 
         seeds=len(outcomes),
         collapsed=sum(o.collapsed for o in outcomes),
         updates_to_collapse=statistics.fmean(collapse_points) if collapse_points else None,
-        final_reward_mean=statistics.fmean(finals),
+        final_reward_mean=statistics.fmean(finals) if finals else math.nan,
         final_reward_sd=statistics.stdev(finals) if len(finals) > 1 else 0.0,
         kl_mean=statistics.fmean(kls) if kls else math.nan,
     )

@@ -15,6 +15,8 @@ from matplotlib.figure import Figure
 
 CURVES = {"reward_mean": "reward (mean over the update)", "kl_k3": "KL(sampler || trainer), k3"}
 """Which per-update series get a row of panels, with their axis labels."""
+LOG_SCALED = {"kl_k3"}
+"""Curves drawn on a log axis (where values <= 0 are gaps)."""
 
 
 @dataclass(frozen=True)
@@ -46,12 +48,16 @@ def stability_figure(runs: Iterable[RunCurves], corrections: Sequence[str]) -> F
                     continue
                 length = min(len(s) for s in seeds)
                 stacked = np.array([list(s)[:length] for s in seeds], dtype=float)
+                if metric in LOG_SCALED:
+                    # A log axis cannot show 0, and a 0 here is no measurement: the archived results store
+                    # an update without a KL (no token left in the loss) as 0.0. Missing, not a low value.
+                    stacked[stacked <= 0] = np.nan
                 x = np.arange(1, length + 1)
                 ax.plot(x, np.nanmean(stacked, axis=0), color=colors[correction], linewidth=1.6, label=correction)
                 if len(seeds) > 1:
                     low, high = np.nanmin(stacked, axis=0), np.nanmax(stacked, axis=0)
                     ax.fill_between(x, low, high, color=colors[correction], alpha=0.15, linewidth=0)
-            if metric == "kl_k3":
+            if metric in LOG_SCALED:
                 ax.set_yscale("log")
             ax.set_title(f"{fleet} fleet: {metric}")
             ax.set_ylabel(label)
