@@ -179,12 +179,44 @@ AUDITS = {
                round(CAST(json_extract(per_group, '$."' || g || '".kl_k1') AS DOUBLE), 5) AS kl_k1,
                round(CAST(json_extract(per_group, '$."' || g || '".reward_mean') AS DOUBLE), 3) AS reward_mean
         FROM metrics, unnest(json_keys(per_group)) AS t(g) ORDER BY version, island_group""",
+    # Per island: its heartbeats, then the drift guard's view of it. The windowed KL comes from the
+    # newest trainer metrics that judged it (`per_island`, JSON text or, in files written before it was
+    # archived as text, a struct: read through the row's JSON so either works, and a run archived before
+    # the field has NULLs); the drift state is its newest island_drift verdict ('ok' when it never had one).
     "fleet": """
-        SELECT island.island_id AS island, island.view AS view, island.accelerator AS accelerator,
-               island.engine AS engine, max(current_version) AS version, max(prompt_groups_done) AS groups_done,
-               max(tokens_generated) AS tokens, round(max(tokens_per_s), 1) AS peak_tokens_per_s,
-               max(produced_at) AS last_seen
-        FROM islands GROUP BY ALL ORDER BY island""",
+        WITH beats AS (
+            SELECT island.island_id AS island, island.view AS view, island.accelerator AS accelerator,
+                   island.engine AS engine, max(current_version) AS version, max(prompt_groups_done) AS groups_done,
+                   max(tokens_generated) AS tokens, round(max(tokens_per_s), 1) AS peak_tokens_per_s,
+                   max(produced_at) AS last_seen
+            FROM islands GROUP BY ALL),
+        per_island AS (
+            SELECT version, CASE json_type(j) WHEN 'VARCHAR' THEN json(j ->> '$') ELSE j END AS j
+            FROM (SELECT version, to_json(m) -> '$.per_island' AS j FROM metrics m)
+            WHERE json_type(j) IN ('OBJECT', 'VARCHAR')),
+        judged AS (
+            SELECT i AS island,
+                   arg_max(CAST(json_extract(j, '$."' || i || '".window_kl_k3') AS DOUBLE), version)
+                       AS window_kl_k3,
+                   arg_max(CAST(json_extract(j, '$."' || i || '".baseline_kl_k3') AS DOUBLE), version)
+                       AS baseline_kl_k3,
+                   arg_max(CAST(json_extract(j, '$."' || i || '".window_ess_ratio') AS DOUBLE), version)
+                       AS window_ess_ratio
+            FROM per_island, unnest(json_keys(j)) AS t(i)
+            WHERE json_extract(j, '$."' || i || '".window_kl_k3') IS NOT NULL
+            GROUP BY i),
+        drift AS (
+            SELECT island_id AS island, arg_max(state, version) AS drift_state,
+                   max(version) AS drift_since_version, arg_max(quarantined, version) AS quarantined
+            FROM island_drift GROUP BY island_id),
+        names AS (SELECT island FROM beats UNION SELECT island FROM judged UNION SELECT island FROM drift)
+        SELECT names.island, beats.view, beats.accelerator, beats.engine, beats.version, beats.groups_done,
+               beats.tokens, beats.peak_tokens_per_s, beats.last_seen,
+               coalesce(drift.drift_state, 'ok') AS drift_state, drift.drift_since_version,
+               coalesce(drift.quarantined AND drift.drift_state = 'flagged', false) AS quarantined,
+               judged.window_kl_k3, judged.baseline_kl_k3, round(judged.window_ess_ratio, 4) AS window_ess_ratio
+        FROM names LEFT JOIN beats USING (island) LEFT JOIN judged USING (island) LEFT JOIN drift USING (island)
+        ORDER BY names.island""",
     # What was refused, where and by whom; text someone else wrote goes through `printable` (see
     # pipeline/sql.py), so a payload full of terminal escapes prints as escapes.
     "dead-letters": """
