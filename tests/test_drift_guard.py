@@ -351,3 +351,54 @@ def test_with_quarantine_the_broken_island_leaves_the_loss_while_it_is_flagged(f
         else:
             assert quarantined == frozenset()
     assert len(fleet.quarantined_by_version) - flagged_at >= 2  # it was quarantined for updates, not one
+
+
+# ---------------------------------------------------------------- the live view of `sprawl up`
+
+
+def test_the_live_view_shows_flagged_islands_and_their_windowed_kl():
+    from rich.console import Console
+
+    from schemas import IslandDrift, TrainerMetrics
+    from workers.up.live_view import progress_line, render
+    from workers.up.monitor import IslandState, RunMonitor, RunState
+
+    monitor = RunMonitor.__new__(RunMonitor)  # only its event handling: no log, no tasks
+    monitor.state = state = RunState("r")
+    for island_id, view in (("isl-ok", "bf16"), ("isl-bad", "mxfp4")):
+        state.islands[island_id] = IslandState(island_id, view, view, version=3, state="serving")
+
+    def drift(state_: str, version: int) -> IslandDrift:
+        return IslandDrift(
+            run_id="r",
+            island_id="isl-bad",
+            view="mxfp4",
+            state=state_,
+            version=version,
+            kl_k3=3.2,
+            ess_ratio=0.2,
+            baseline_kl_k3=1e-3,
+            factor=50.0,
+            quarantined=True,
+        )
+
+    per_island = {"isl-bad": {"kl_k3": 3.1, "window_kl_k3": 3.2}, "isl-ok": {"kl_k3": 1e-4, "window_kl_k3": 2e-4}}
+    metrics = TrainerMetrics(run_id="r", step=3, version=3, metrics={"islands_flagged": 1.0}, per_island=per_island)
+    asyncio.run(monitor._apply(metrics))
+    asyncio.run(monitor._apply(drift("flagged", 2)))
+    asyncio.run(monitor._apply(drift("recovered", 1)))  # an older verdict arriving late changes nothing
+    assert [d.island_id for d in state.flagged_islands()] == ["isl-bad"]
+    console = Console(width=200, record=True)
+    console.print(render(state, None, phase="training", target=10))
+    text = console.export_text()
+    assert "isl-bad FLAGGED + QUARANTINED since v2 (KL 3.20e+00 vs baseline 1.00e-03)" in text
+    bad_row = next(line for line in text.splitlines() if "isl-bad" in line and "mxfp4" in line)
+    assert "QUARANTINED" in bad_row and "3.20e+00" in bad_row
+    ok_row = next(line for line in text.splitlines() if "isl-ok" in line)
+    assert "2.00e-04" in ok_row and " ok " in ok_row
+    assert "drift guard flagged isl-bad" in progress_line(state, phase="training", target=10)
+
+    asyncio.run(monitor._apply(drift("recovered", 5)))
+    console = Console(width=200, record=True)
+    console.print(render(state, None, phase="training", target=10))
+    assert "no island flagged" in console.export_text() and state.flagged_islands() == []

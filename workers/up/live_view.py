@@ -46,11 +46,31 @@ def _latest(state: RunState, key: str) -> float | None:
     return None
 
 
-def _island_kl(state: RunState, group: str) -> float | None:
+def _island_kl(state: RunState, island_id: str, group: str) -> float | None:
+    """The island's KL as the drift guard judges it (windowed), else its group's KL of the last update."""
     for m in reversed(state.metrics):
+        if "window_kl_k3" in m.per_island.get(island_id, {}):
+            return m.per_island[island_id]["window_kl_k3"]
         if group in m.per_group and "kl_k3" in m.per_group[group]:
             return m.per_group[group]["kl_k3"]
     return None
+
+
+def drift_line(state: RunState) -> Text:
+    """The drift guard's flagged islands, each with its KL against the baseline it was judged by."""
+    flagged = state.flagged_islands()
+    if not flagged:
+        return Text("no island flagged", style="green")
+    line = Text()
+    for index, d in enumerate(flagged):
+        if index:
+            line.append(", ")
+        line.append(
+            f"{d.island_id} FLAGGED{' + QUARANTINED' if d.quarantined else ''} since v{d.version} "
+            f"(KL {d.kl_k3:.2e} vs baseline {d.baseline_kl_k3:.2e})",
+            style="bold red",
+        )
+    return line
 
 
 def services_line(services: list[ServiceHealth]) -> Text:
@@ -115,10 +135,13 @@ def render(
         (f"{letters} " + ", ".join(f"{k}: {v}" for k, v in state.dead_letters.items())) if letters else "0",
     )
     trainer.add_row("dropped groups", str(state.dropped_groups))
+    trainer.add_row("drift", drift_line(state))
 
-    islands = Table("island", "view", "serving", "state", "tok/s", "trajectories", "KL k3", expand=False)
+    islands = Table("island", "view", "serving", "state", "tok/s", "trajectories", "KL k3", "drift", expand=False)
     for island in sorted(state.islands.values(), key=lambda i: i.island_id):
-        kl = _island_kl(state, island.group)
+        kl = _island_kl(state, island.island_id, island.group)
+        verdict = state.drift.get(island.island_id)
+        flagged = verdict is not None and verdict.state == "flagged"
         islands.add_row(
             island.island_id,
             island.view,
@@ -127,6 +150,9 @@ def render(
             f"{island.tokens_per_s:.0f}",
             str(state.trajectories_by_island.get(island.island_id, 0)),
             "-" if kl is None else f"{kl:.2e}",
+            Text("QUARANTINED" if flagged and verdict.quarantined else "FLAGGED", style="bold red")
+            if flagged
+            else Text("ok", style="green"),
         )
 
     curve = [r for _, r in state.reward_curve()]
@@ -168,10 +194,12 @@ def progress_line(
     """One line for logs and non-terminals (an outage and a stall are on it too)."""
     reward = _latest(state, "reward_mean")
     down = [f"{s.name} UNREACHABLE for {time.time() - s.since:.0f}s" for s in services or [] if not s.up]
+    flagged = [d.island_id for d in state.flagged_islands()]
     return (
         f"[{time.time() - state.started_at:6.0f}s] {phase}: version {state.head}/{target}, "
         f"reward {reward if reward is None else round(reward, 3)}, "
         f"trajectories {dict(state.trajectories_by_view)}, dead letters {sum(state.dead_letters.values())}"
+        + (f"; drift guard flagged {', '.join(flagged)}" if flagged else "")
         + "".join(f"; {d}" for d in down)
         + (f"; {stall.line()}" if stall is not None else "")
     )

@@ -39,6 +39,7 @@ from pipeline.topology import (
 from schemas import (
     DeadLetter,
     GroupDropped,
+    IslandDrift,
     IslandHeartbeat,
     LineageDecodeError,
     PolicyVersion,
@@ -109,6 +110,12 @@ class RunState:
     prompts_published: int = 0
     dead_letters: Counter = field(default_factory=Counter)
     dropped_groups: int = 0
+    drift: dict[str, IslandDrift] = field(default_factory=dict)
+    """Per island, the drift guard's newest verdict (flagged or recovered)."""
+
+    def flagged_islands(self) -> list[IslandDrift]:
+        """Islands whose newest verdict is `flagged`, by island id."""
+        return [d for _, d in sorted(self.drift.items()) if d.state == "flagged"]
 
     def add_trajectory(self, island_id: str, view: str) -> None:
         self.trajectories_by_view[view] += 1
@@ -213,7 +220,7 @@ class RunMonitor:
         run = self.state.run_id
         return {
             POLICY.name: policy_filter(run),
-            METRICS.name: METRICS.run_filter(run),  # trainer metrics and island heartbeats
+            METRICS.name: METRICS.run_filter(run),  # trainer metrics, island heartbeats, drift verdicts
             TRAJECTORIES.name: trajectories_filter(run),
             REWARDS.name: rewards_filter(run),
             PROMPTS.name: prompts_subject(run),
@@ -349,6 +356,10 @@ class RunMonitor:
                 state.dead_letters[event.error_class] += 1
             case GroupDropped():
                 state.dropped_groups += 1
+            case IslandDrift():
+                newest = state.drift.get(event.island_id)
+                if newest is None or event.version >= newest.version:
+                    state.drift[event.island_id] = event
 
     async def _on_version(self, event: PolicyVersion) -> None:
         state = self.state
