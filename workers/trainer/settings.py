@@ -21,12 +21,12 @@ class DriftSection(Section):
     loss until it recovers).
 
     The defaults come from measurements on the demo task (tiny Qwen3-MoE warmed up 550 steps as `sprawl
-    up` does, temperature 1, top-p 0.95, 16 trajectories per island per update, 30 updates of RL;
-    figures in issue 18's drift-guard report). Windowed k3 KL (the median over the window's updates):
-    healthy bf16 5e-5..1.5e-4, fp8_e4m3 9e-5..5e-4, mxfp4 2e-4..1.1e-2 (4-bit weights: up to ~40x
-    fp8, and growing as RL sharpens the policy); wrong dequantization: fp8 read as e4m3fnuz (weights
-    halved) 0.18..0.56, mxfp4 with swapped nibbles 2.5..6. The threshold, factor x baseline, is at least
-    50 x 1e-3 = 5e-2: ~4x above the worst healthy mxfp4 window and ~4x below the mildest broken one."""
+    up` does, temperature 1, top-p 0.95, 16 trajectories per island per update, 30 updates of RL, two
+    seeds; figures in issue 18's drift-guard report). Windowed k3 KL (the median over the window's
+    updates): healthy bf16 5e-5..2.6e-4, fp8_e4m3 9e-5..7.4e-4, mxfp4 1.7e-4..1.8e-2 (4-bit weights: up
+    to ~40x fp8, and growing as RL sharpens the policy); wrong dequantization: fp8 read as e4m3fnuz
+    (weights halved) 0.16..0.56, mxfp4 with swapped nibbles 2.4..6. The threshold, factor x baseline, is
+    at least 50 x 1e-3 = 5e-2: ~3x above the worst healthy mxfp4 window, ~3x below the mildest broken one."""
 
     enabled: bool = True
     """Measure and judge islands. Cheap: per-island sums of quantities the update computes anyway."""
@@ -47,7 +47,7 @@ class DriftSection(Section):
     """The baseline never falls below this: in a fleet whose KL is ~0 (every island computes like the
     trainer) a rare-token spike against a median of 1e-5 is not a drift. It is also the whole baseline
     when fewer than `min_islands` islands can be judged, where factor x floor (5e-2) is an absolute
-    bound: a healthy island of any view stays ~4x under it on the demo, a broken one ~4x over. On a
+    bound: a healthy island of any view stays ~3x under it on the demo, a broken one ~3x over. On a
     model whose healthy KL is higher (a larger one, a sampler-trainer temperature mismatch), set it
     from a healthy run's per-island metrics."""
     min_islands: int = Field(3, ge=1)
