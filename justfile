@@ -54,6 +54,10 @@ test-image *ARGS:
 bench NAME *ARGS:
     sprawl bench {{NAME}} {{ARGS}}
 
+# an experiment made of real runs, e.g. `just experiment stability --quick` (the full matrix: ~90 minutes)
+experiment NAME *ARGS:
+    sprawl experiment {{NAME}} {{ARGS}}
+
 # DuckDB SQL over the run's S3, e.g. `just sql "select 42"`
 sql QUERY:
     sprawl sql {{quote(QUERY)}}

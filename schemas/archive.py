@@ -39,7 +39,7 @@ can collide with them (tests/test_archiver.py checks every event type)."""
 UNDECODABLE_COLUMNS = ("reason", "error_class")
 """What an undecodable row has besides ROW_COLUMNS: why it did not decode, and its poison class."""
 JSON_TEXT_FIELDS = frozenset(
-    {"per_group", "components", "details", "kernels", "headers", "metadata", "tensors", "series"}
+    {"per_group", "components", "details", "kernels", "headers", "metadata", "tensors", "series", "per_island"}
 )
 """Event fields with open-ended keys (or mixed arrays), archived as JSON text instead of a struct column."""
 

@@ -347,11 +347,13 @@ class IslandDrift(Event, kw_only=True, tag="island_drift.v1"):
     version: VersionNumber
     """The trainer version whose update made the verdict."""
     kl_k3: Annotated[float, msgspec.Meta(ge=0)]
-    """The island's token-weighted k3 KL over the window."""
+    """The token-weighted median of the island's per-update k3 KL over the window (k3 is heavy-tailed:
+    one rare token can spike a healthy update 40x)."""
     ess_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)]
     """The island's effective sample size ratio over the window."""
     baseline_kl_k3: Annotated[float, msgspec.Meta(ge=0)]
-    """The fleet's robust baseline (median over islands, floored) it was compared with."""
+    """What it was compared with: the median of the other islands' KL, floored (the floor alone when
+    fewer islands than the guard's `min_islands` are judged)."""
     factor: Annotated[float, msgspec.Meta(gt=0)]
     quarantined: bool = False
     """True: the island's trajectories leave the loss until it recovers."""
@@ -373,13 +375,16 @@ class StabilityResult(Event, kw_only=True, tag="stability_result.v1"):
     collapsed: bool
     updates_to_collapse: Count | None = None
     start_reward: float
-    final_reward: float
-    kl_mean: float
+    final_reward: float | None
+    """Mean reward over the run's last updates; None when none of them had a reward."""
+    kl_mean: float | None
+    """Mean sampler-trainer KL (k3) over the run; None when no update had a token in the loss."""
     collapse_rule: NonEmpty
     stress: dict[str, float] = {}
     """The stress levels this run had (staleness, temperatures, top-p)."""
-    series: dict[str, list[float]] = {}
-    """Per-update curves of the run (reward_mean, kl_k3, ...), one value per update in version order."""
+    series: dict[str, list[float | None]] = {}
+    """Per-update curves of the run (reward_mean, kl_k3, ...), one value per update in version order
+    (None: that update had no value, e.g. no KL when every token left the loss)."""
 
     def business_key(self) -> str:
         return f"stability.{self.experiment_id}.{self.fleet}.{self.correction}.{self.seed}"

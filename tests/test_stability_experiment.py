@@ -219,3 +219,59 @@ def test_quick_experiment_end_to_end_records_in_the_archive_and_continues(tmp_pa
         assert json.loads(again.stdout.strip().splitlines()[-1])["cells"] == result["cells"]
     finally:
         stack.down(settings)
+
+
+def test_a_crashed_attempt_gets_a_run_of_its_own():
+    run = PlannedRun("mixed", "none", 0)
+    assert run.run_id("stab-x") == "stab-x-mixed-none-s0"
+    assert run.run_id("stab-x", 2) == "stab-x-mixed-none-s0-a2"
+
+
+def test_a_run_whose_metrics_are_not_exactly_versions_one_to_n_is_refused():
+    from types import SimpleNamespace
+
+    from workers.experiment.stability import RunFailed, check_versions
+
+    def metrics(versions):
+        return [SimpleNamespace(version=v) for v in versions]
+
+    check_versions(metrics(range(1, 6)), 5, "r")
+    for bad in (range(1, 5), range(2, 7), [1, 2, 3, 4, 4], range(1, 7)):
+        with pytest.raises(RunFailed, match=r"not exactly 1\.\.5"):
+            check_versions(metrics(bad), 5, "r")
+
+
+def test_the_json_line_has_null_where_a_figure_is_missing(tmp_path):
+    from workers.experiment.stability import result_json
+
+    no_tokens = {"reward_mean": [0.5] * 6, "kl_k3": [math.nan] * 6}
+    results = [Recorded(PlannedRun("mixed", "none", 0), judge(no_tokens, CollapseRule()), no_tokens)]
+    line = json.dumps(
+        result_json("stab-x", summarize(results), StabilitySettings(state_dir=tmp_path), 6), allow_nan=False
+    )
+    assert json.loads(line)["cells"][0]["kl_mean"] is None
+
+
+def test_the_report_section_reads_the_newest_record_of_each_seed():
+    import duckdb
+
+    from workers.up.report import _stability
+
+    con = duckdb.connect()
+    con.sql(
+        """CREATE TABLE stability (fleet TEXT, correction TEXT, seed INT, updates INT, collapsed BOOL,
+           updates_to_collapse INT, start_reward DOUBLE, final_reward DOUBLE, kl_mean DOUBLE, series TEXT,
+           collapse_rule TEXT, produced_at TIMESTAMP)"""
+    )
+    falls = json.dumps({"reward_mean": [0.6, 0.6, 0.6, 0.1, 0.1, 0.1, 0.1, 0.1], "kl_k3": [0.02] * 8})
+    holds = json.dumps({"reward_mean": [0.6] * 8, "kl_k3": [0.01, None] + [0.01] * 6})
+    con.sql(
+        f"""INSERT INTO stability VALUES
+        ('homogeneous', 'sc+mis', 0, 8, false, NULL, 0.6, 0.6, 0.01, '{holds}', 'rule', '2026-12-01 10:00'),
+        ('mixed', 'none', 0, 8, true, 4, 0.6, 0.1, 0.02, '{falls}', 'rule', '2026-12-01 10:00'),
+        ('mixed', 'none', 0, 8, true, 4, 0.6, 0.1, 0.02, '{falls}', 'rule', '2026-12-01 11:00')"""
+    )
+    section = _stability(con, ["stability"])
+    assert section.figure is not None and "rule" in section.note
+    assert section.table_html.count("<tr>") == 1 + 2  # header + one row per cell: the repeated seed once
+    assert "1/1" in section.table_html and "0.17x reward" in section.table_html

@@ -135,8 +135,11 @@ class PlannedRun:
     correction: str
     seed: int
 
-    def run_id(self, experiment_id: str) -> str:
-        return f"{experiment_id}-{self.fleet}-{self.correction.replace('+', '_')}-s{self.seed}"
+    def run_id(self, experiment_id: str, attempt: int = 1) -> str:
+        """The run of this cell's seed; a later attempt (after a crash) gets a run of its own, because a
+        run id that has a chain would be continued, not started again."""
+        base = f"{experiment_id}-{self.fleet}-{self.correction.replace('+', '_')}-s{self.seed}"
+        return base if attempt == 1 else f"{base}-a{attempt}"
 
 
 def plan(options: ExperimentOptions) -> list[PlannedRun]:
@@ -216,6 +219,45 @@ async def _trainer_metrics(settings: StabilitySettings, run_id: str) -> list:
     return [by_version[v] for v in sorted(by_version)]
 
 
+async def _fresh_run_id(settings: StabilitySettings, run: PlannedRun, experiment_id: str) -> str:
+    """The first attempt's run id whose chain is empty (an earlier attempt crashed part way)."""
+    from pipeline.eventlog import EventLog
+    from pipeline.version_log import chain_head
+
+    event_log = await EventLog.connect(settings, worker="experiment")
+    try:
+        for attempt in range(1, 100):
+            run_id = run.run_id(experiment_id, attempt)
+            if await chain_head(event_log, run_id) is None:
+                return run_id
+    finally:
+        await event_log.close()
+    raise RunFailed(
+        f"{run.fleet}/{run.correction}/seed {run.seed} failed 99 times", hint="see the runs' logs; start anew"
+    )
+
+
+def check_versions(metrics: Sequence, updates: int, run_id: str) -> None:
+    """A run's metrics are exactly versions 1..updates: fewer means metrics never reached the log, other
+    versions mean the run was not the fresh chain the experiment asked for."""
+    versions = [m.version for m in metrics]
+    if versions != list(range(1, updates + 1)):
+        raise RunFailed(
+            f"run {run_id} has trainer metrics for versions {versions[:3]}...{versions[-3:]} "
+            f"({len(versions)}), not exactly 1..{updates}",
+            hint="a run that did not start from an empty chain, or metrics that did not reach the log; "
+            f"see {run_id}'s logs under the state folder's runs/",
+        )
+
+
+def _nullable(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)
+
+
 def series_of(metrics: Sequence) -> dict[str, list[float]]:
     """Per-update curves of the metrics the experiment keeps (NaN where an update had no value)."""
     return {name: [float(m.metrics.get(name, math.nan)) for m in metrics] for name in SERIES}
@@ -289,6 +331,8 @@ class Recorded:
     run: PlannedRun
     outcome: RunOutcome
     series: dict[str, list[float]]
+    run_id: str = ""
+    """The run it trained in (an attempt after a crash has its own)."""
 
 
 class RunSections(BaseModel):
@@ -314,7 +358,7 @@ def write_run_config(settings: StabilitySettings, directory: Path) -> Path:
     return write_settings_file(sections, directory / "up.toml")
 
 
-def run_matrix(options: ExperimentOptions, settings: StabilitySettings) -> dict:
+def run_matrix(options: ExperimentOptions, settings: StabilitySettings) -> tuple[dict, list[CellSummary]]:
     from pipeline.topology import token
     from schemas import StabilityResult
 
@@ -332,32 +376,28 @@ def run_matrix(options: ExperimentOptions, settings: StabilitySettings) -> dict:
         f"({len(earlier)} already recorded); stress {settings.stress.as_record()}",
         file=sys.stderr,
     )
+    mismatched = sorted({r.updates for r in earlier.values()} - {updates})  # type: ignore[attr-defined]
+    if mismatched:
+        raise SprawlError(
+            f"experiment {experiment_id} has runs of {', '.join(map(str, mismatched))} updates; this one asks "
+            f"for {updates}",
+            hint="a table mixes runs of one length only: give a new --experiment-id (or the same --updates)",
+        )
     for index, run in enumerate(runs, 1):
         label = f"[{index}/{len(runs)}] {run.fleet} / {run.correction} / seed {run.seed}"
         known = earlier.get((run.fleet, run.correction, run.seed))
-        if known is not None and known.updates == updates:  # type: ignore[attr-defined]
-            outcome = RunOutcome(
-                known.updates,  # type: ignore[attr-defined]
-                known.collapsed,  # type: ignore[attr-defined]
-                known.updates_to_collapse,  # type: ignore[attr-defined]
-                known.start_reward,  # type: ignore[attr-defined]
-                known.final_reward,  # type: ignore[attr-defined]
-                known.kl_mean,  # type: ignore[attr-defined]
-            )
-            results.append(Recorded(run, outcome, dict(known.series)))  # type: ignore[attr-defined]
+        if known is not None:
+            # Judged again from its stored curves: the rule of this invocation decides, not the recorded one.
+            series = {k: [_nan(v) for v in vs] for k, vs in known.series.items()}  # type: ignore[attr-defined]
+            results.append(Recorded(run, judge(series, rule), series, known.cell_run_id))  # type: ignore[attr-defined]
             print(f"{label}: recorded earlier", file=sys.stderr)
             continue
-        run_id = run.run_id(experiment_id)
+        run_id = asyncio.run(_fresh_run_id(settings, run, experiment_id))
         started = time.monotonic()
         run_up(up_command(settings, run, run_id, updates, config), logs / f"{run_id}.log")
         metrics = asyncio.run(_trainer_metrics(settings, run_id))
-        if len(metrics) < updates:
-            raise RunFailed(
-                f"run {run_id} finished with metrics of {len(metrics)} of its {updates} updates in the log",
-                hint="the trainer's metrics did not all reach the log; see the run's logs under "
-                f"{settings.state_dir.resolve() / 'runs' / run_id / 'logs'}",
-            )
-        series = series_of(metrics[:updates])
+        check_versions(metrics, updates, run_id)
+        series = series_of(metrics)
         outcome = judge(series, rule)
         asyncio.run(
             _append(
@@ -373,15 +413,15 @@ def run_matrix(options: ExperimentOptions, settings: StabilitySettings) -> dict:
                     collapsed=outcome.collapsed,
                     updates_to_collapse=outcome.updates_to_collapse,
                     start_reward=outcome.start_reward,
-                    final_reward=outcome.final_reward,
-                    kl_mean=outcome.kl_mean if math.isfinite(outcome.kl_mean) else 0.0,
+                    final_reward=_nullable(outcome.final_reward),
+                    kl_mean=_nullable(outcome.kl_mean),
                     collapse_rule=rule.describe(),
                     stress=settings.stress.as_record(),
-                    series={k: [v if math.isfinite(v) else 0.0 for v in vs] for k, vs in series.items()},
+                    series={k: [_nullable(v) for v in vs] for k, vs in series.items()},
                 ),
             )
         )
-        results.append(Recorded(run, outcome, series))
+        results.append(Recorded(run, outcome, series, run_id))
         print(
             f"{label}: reward {outcome.start_reward:.3f} -> {outcome.final_reward:.3f}, KL {outcome.kl_mean:.2e}, "
             f"{'collapsed at update ' + str(outcome.updates_to_collapse) if outcome.collapsed else 'stable'} "
@@ -392,7 +432,7 @@ def run_matrix(options: ExperimentOptions, settings: StabilitySettings) -> dict:
     log.info("experiment archived", experiment_id=experiment_id, rows=archived)
     cells = summarize(results)
     write_outputs(options.output, cells, results, settings, experiment_id)
-    return result_json(experiment_id, cells, settings, updates)
+    return result_json(experiment_id, cells, settings, updates), cells
 
 
 def _log_reachable(settings: StabilitySettings) -> bool:
@@ -429,10 +469,15 @@ def relative_rows(cells: Sequence[CellSummary]) -> list[dict[str, object]]:
     return rows
 
 
+def _json_safe(row: dict[str, object]) -> dict[str, object]:
+    """NaN (no value) as null: the last line must be JSON, which has no NaN."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
 def result_json(experiment_id: str, cells: Sequence[CellSummary], settings: StabilitySettings, updates: int) -> dict:
     return {
         "experiment_id": experiment_id,
-        "cells": relative_rows(cells),
+        "cells": [_json_safe(row) for row in relative_rows(cells)],
         "collapse_rule": settings.collapse.describe(),
         "stress": settings.stress.as_record(),
         "updates_per_run": updates,
@@ -477,7 +522,7 @@ def write_outputs(
         [
             {
                 "experiment_id": experiment_id,
-                "run_id": r.run.run_id(experiment_id),
+                "run_id": r.run_id or r.run.run_id(experiment_id),
                 "fleet": r.run.fleet,
                 "correction": r.run.correction,
                 "seed": r.run.seed,
@@ -541,14 +586,11 @@ def print_table(cells: Sequence[CellSummary]) -> str:
 
 
 def cmd_experiment(options: ExperimentOptions, settings: StabilitySettings) -> int:
-    result = run_matrix(options, settings)
-    cells = [
-        CellSummary(**{k: row[k] for k in CellSummary.__dataclass_fields__})  # type: ignore[arg-type]
-        for row in result["cells"]
-    ]
-    print(print_table(cells), file=sys.stderr if options.json_output else sys.stdout)
-    print(f"collapse rule: {result['collapse_rule']}", file=sys.stderr if options.json_output else sys.stdout)
-    print(f"written to {options.output}/", file=sys.stderr if options.json_output else sys.stdout)
+    result, cells = run_matrix(options, settings)
+    human = sys.stderr if options.json_output else sys.stdout
+    print(print_table(cells), file=human)
+    print(f"collapse rule: {result['collapse_rule']}", file=human)
+    print(f"written to {options.output}/", file=human)
     if options.json_output:
-        print(json.dumps(result))
+        print(json.dumps(result, allow_nan=False))
     return 0

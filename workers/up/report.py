@@ -15,6 +15,7 @@ import base64
 import html
 import io
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -205,21 +206,28 @@ def _stability(con, views) -> Section:
     rows = _rows(
         con,
         views,
+        # A cell's seed recorded twice (an experiment continued with another rule, a retried append)
+        # counts once: its newest record.
         """SELECT fleet, correction, seed, updates, collapsed, updates_to_collapse, start_reward, final_reward,
                   kl_mean, series, collapse_rule
-           FROM stability ORDER BY fleet, correction, seed""",
+           FROM stability
+           QUALIFY row_number() OVER (PARTITION BY fleet, correction, seed ORDER BY produced_at DESC) = 1
+           ORDER BY fleet, correction, seed""",
         ("stability",),
     )
     if not rows:
         return _no_data(slug, title)
-    recorded = [
-        Recorded(
-            PlannedRun(r[0], r[1], r[2]),
-            RunOutcome(r[3], r[4], r[5], r[6], r[7], r[8]),
-            json.loads(r[9]) if isinstance(r[9], str) else dict(r[9] or {}),
+
+    def nan(value) -> float:
+        return math.nan if value is None else float(value)
+
+    recorded = []
+    for r in rows:
+        series = json.loads(r[9]) if isinstance(r[9], str) else dict(r[9] or {})
+        curves = {name: [nan(v) for v in values] for name, values in series.items()}
+        recorded.append(
+            Recorded(PlannedRun(r[0], r[1], r[2]), RunOutcome(r[3], r[4], r[5], r[6], nan(r[7]), nan(r[8])), curves)
         )
-        for r in rows
-    ]
     cells = relative_rows(summarize(recorded))
     fig = stability_figure(
         [RunCurves(r.run.fleet, r.run.correction, r.run.seed, r.series) for r in recorded],
