@@ -222,6 +222,13 @@ class Trainer:
         for island, report in self.guard.report().items():
             metrics.per_island.setdefault(island, {}).update(report)
         metrics.overall["islands_flagged"] = float(len(self.guard.flagged))
+        # Tokens the guard could not judge (islands under `min_tokens`, e.g. ones that change their id)
+        # and ids claimed by more than one sampler identity (ids are self-declared): visible, per update.
+        if self.guard.update_tokens > 0:
+            metrics.overall["unjudged_token_fraction"] = self.guard.unjudged_tokens / self.guard.update_tokens
+        metrics.overall["islands_with_conflicting_identity"] = float(
+            sum(m.get("identities", 1.0) > 1 for m in metrics.per_island.values())
+        )
         return changes
 
     async def _feed(self, stream: Stream, filter_subject: str, start: int, stop: asyncio.Event) -> None:
@@ -397,7 +404,7 @@ class Trainer:
             if batch is None:
                 await asyncio.sleep(0.05)
                 continue
-            quarantined = self.guard.quarantined
+            quarantined = self.guard.quarantine_for({t.island.island_id for item in batch for t in item.trajectories})
             metrics = await asyncio.to_thread(self._update, batch, self.version, quarantined)
             self.version += 1
             changes = self._judge(self.version, batch, metrics)

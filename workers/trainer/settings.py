@@ -50,6 +50,14 @@ class DriftSection(Section):
     bound: a healthy island of any view stays ~3x under it on the demo, a broken one ~3x over. On a
     model whose healthy KL is higher (a larger one, a sampler-trainer temperature mismatch), set it
     from a healthy run's per-island metrics."""
+    ceiling_kl_k3: float | None = Field(None, gt=0)
+    """An absolute line: an island whose windowed KL exceeds it is flagged whatever the fleet's median
+    (and recovers below recover_factor / factor of it). The median is robust to a minority of broken
+    islands only: with 2 of 3 broken, each broken one is judged against the median of a broken and a
+    healthy island (half a broken KL) and the healthy one against two broken ones, so nothing is
+    flagged. None (the default): no such line, as before; on the demo, 5e-2 (factor x floor) sits ~3x
+    above the worst healthy mxfp4 window and ~3x below the mildest broken one. Set it from a healthy
+    run's per-island metrics where the fleet's KL is higher (a larger model, a temperature mismatch)."""
     min_islands: int = Field(3, ge=1)
     """Judged islands needed for their median to be the baseline. Of two, the median is their mean,
     which a broken island drags up to half its own KL: it could never exceed 2x that. With fewer than

@@ -30,6 +30,13 @@ STALENESS_BUCKETS = {
 }
 """Histogram of per-token staleness (trainer version minus the version that produced the token)."""
 
+LOG_RATIO_BOUND = 50.0
+"""The per-token log(pi/mu) the KL metrics use is clamped to +-this. A broken or hostile island's
+logprob can be anything: -1e300 is valid JSON and -inf in float32, and a token the trainer gives
+exp(-120) underflows pi/mu to 0; either way k3 would be inf or NaN, which the log cannot carry (a
+TrainerMetrics with one would not decode) and which blinds every comparison. e^50 ~ 5e21 per token is
+far above any drift threshold, and sums of it stay finite."""
+
 
 @dataclass
 class BatchTensors:
@@ -112,6 +119,10 @@ def build_tensors(
             if t.top_p_kept_ids:
                 for j, ids in enumerate(t.top_p_kept_ids):
                     kept[i, j, ids] = True
+                # The sampled token was in the set it was sampled from. A kept set without it (a broken
+                # or hostile island's) would make its log pi -inf and the loss NaN; with it, an honest
+                # trajectory's set is unchanged.
+                kept[i, torch.arange(out), targets[i, :out]] = True
             else:
                 kept[i, :out] = True
             kept[i, out:] = True
@@ -200,15 +211,22 @@ def run_update(
     )
     measured = _measure_excluded(result, out_logits, advantages, bt, measured_mask, excluded, cfg)
     optimizer.zero_grad(set_to_none=True)
-    result.loss.backward()
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-    optimizer.step()
+    if excluded and not bool(bt.loss_mask.any()):
+        # Quarantine left no token in the loss: no step at all. A step on zero gradients still moves
+        # every weight (Adam's momentum from earlier updates, weight decay), so the version would change
+        # without anything having been learned from this batch. Without gradients the optimizer skips
+        # every parameter (its state, step counts included, stays as it was).
+        grad_norm = 0.0
+    else:
+        result.loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        optimizer.step()
     elapsed = time.perf_counter() - started
 
     flat_rewards = rewards.reshape(-1)
     reward_events = [item_r for item in batch for item_r in item.rewards]
-    overall = _metrics(
-        result, bt.loss_mask, bt.staleness, flat_rewards, reward_events, trajectories, range(len(trajectories))
+    overall = _metrics(  # `measured` is `result` on every row the loss used
+        measured, bt.loss_mask, bt.staleness, flat_rewards, reward_events, trajectories, range(len(trajectories))
     )
     overall |= {
         "loss": float(result.loss.detach()),
@@ -231,7 +249,40 @@ def run_update(
 
     per_group = by(lambda t: t.island.group or t.island.view)
     per_island = by(lambda t: t.island.island_id)
+    for island, members in _identities(trajectories).items():
+        per_island[island]["identities"] = float(len(members))
+    overall, per_group, per_island = _finite_only(overall, per_group, per_island)
     return UpdateMetrics(overall, per_group, per_island)
+
+
+def _identities(trajectories: list[Trajectory]) -> dict[str, set[tuple[str, ...]]]:
+    """Per island id, the distinct samplers that claimed it in the batch. Ids are self-declared (any
+    sampler credential may append any trajectory of the run), so the trainer cannot tell which claim is
+    true; more than one (another view, accelerator, engine, group or host) is at least visible."""
+    out: dict[str, set[tuple[str, ...]]] = defaultdict(set)
+    for t in trajectories:
+        i = t.island
+        host = t.producer.rsplit("/", 1)[0]  # `sampler/<host>/<pid>`: a restarted island keeps its host
+        out[i.island_id].add((i.view, i.accelerator, i.engine, i.group, host))
+    return out
+
+
+def _finite_only(overall: dict[str, float], *by_key: dict[str, dict[str, float]]):
+    """Every metric without its non-finite values (a NaN loss of a diverged update, say): the log's JSON
+    has no NaN or inf, and one of them would make the whole TrainerMetrics undecodable. How many were
+    left out is `nonfinite_metrics`."""
+    dropped = 0
+
+    def keep(metrics: dict[str, float]) -> dict[str, float]:
+        nonlocal dropped
+        out = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        dropped += len(metrics) - len(out)
+        return out
+
+    overall = keep(overall)
+    rest = tuple({name: keep(m) for name, m in metrics.items()} for metrics in by_key)
+    overall["nonfinite_metrics"] = float(dropped)
+    return (overall, *rest)
 
 
 @dataclass
@@ -239,6 +290,8 @@ class _Measured:
     """The per-token quantities `_metrics` reads, for every measured row."""
 
     rho: torch.Tensor
+    log_rho: torch.Tensor
+    """float64 log(pi/mu), clamped to +-LOG_RATIO_BOUND (what the KL metrics are computed from)."""
     weight: torch.Tensor
     masked_low: torch.Tensor
     masked_high: torch.Tensor
@@ -249,7 +302,14 @@ def _measure_excluded(result, out_logits, advantages, bt: BatchTensors, measured
     """`result`'s per-token quantities, with the quarantined rows' filled in by a no-grad pass of the same
     loss over just those rows (the loss zeroes what its mask leaves out, so its own values for them say
     nothing): the same definitions, so a quarantined island's KL compares with everyone else's."""
-    measured = _Measured(result.rho, result.weight, result.masked_low, result.masked_high, result.entropy)
+    measured = _Measured(
+        result.rho,
+        _log_ratio(result.logp, bt.sampler_logp),
+        result.weight,
+        result.masked_low,
+        result.masked_high,
+        result.entropy,
+    )
     if not excluded:
         return measured
     rows = torch.tensor(excluded, dtype=torch.long)
@@ -271,7 +331,17 @@ def _measure_excluded(result, out_logits, advantages, bt: BatchTensors, measured
         full = getattr(measured, name).clone()
         full[rows] = getattr(shadow, name)
         setattr(measured, name, full)
+    measured.log_rho = measured.log_rho.clone()
+    measured.log_rho[rows] = _log_ratio(shadow.logp, bt.sampler_logp[rows])
     return measured
+
+
+def _log_ratio(logp: torch.Tensor, sampler_logp: torch.Tensor) -> torch.Tensor:
+    """log(pi/mu) per token in float64, clamped (`LOG_RATIO_BOUND`; NaN, which only a NaN model makes,
+    as the bound too: not measurable reads as far off)."""
+    log_rho = logp.detach().double() - sampler_logp.double()
+    log_rho = torch.nan_to_num(log_rho, nan=LOG_RATIO_BOUND)
+    return log_rho.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
 def _metrics(
@@ -281,16 +351,17 @@ def _metrics(
     index = torch.tensor(rows, dtype=torch.long)
     mask = loss_mask[index]
     n = int(mask.sum())
-    rho = result.rho[index][mask].double()
+    log_rho = result.log_rho[index][mask]
     weight = result.weight[index][mask].double()
     metrics: dict[str, float] = {"tokens": float(n)}
     if n:
-        log_rho = rho.log()
+        square = float((weight**2).sum())
+        ess = float(weight.sum() ** 2 / (n * square)) if 0 < square < math.inf else 0.0
         metrics |= {
             "kl_k1": float((-log_rho).mean()),
-            "kl_k3": float((rho - 1 - log_rho).mean()),
-            "chi2": float((rho**2).mean() - 1),
-            "ess_ratio": float(weight.sum() ** 2 / (n * (weight**2).sum())) if float((weight**2).sum()) > 0 else 0.0,
+            "kl_k3": float((torch.expm1(log_rho) - log_rho).mean()),
+            "chi2": float(torch.exp(2 * log_rho).mean() - 1),
+            "ess_ratio": ess if math.isfinite(ess) else 0.0,
             "masked_low": float(result.masked_low[index][mask].float().mean()),
             "masked_high": float(result.masked_high[index][mask].float().mean()),
             "entropy": float(result.entropy[index][mask].mean()),
