@@ -166,3 +166,41 @@ async def test_a_broken_island_is_quarantined_and_recovery_replays_the_quarantin
         else:
             with pytest.raises(RecoveryMismatch):
                 check_rederived(event, ours)
+
+
+async def test_a_trajectory_with_ids_outside_the_model_is_dead_lettered_not_a_crash_loop(
+    event_log, settings, model_dir
+):
+    """A forged trajectory whose token id the model cannot index used to raise IndexError inside the
+    update, before any lineage named the batch: every restart read it again and crashed again."""
+    import msgspec
+
+    from schemas import DeadLetter, decode_event
+
+    groups = _groups(model_dir, settings.run_id, 4)
+    good = groups[0][0][0]
+    forged = msgspec.structs.replace(
+        good,
+        trajectory_id="gx-0",
+        group_id="gx",
+        output_token_ids=[*good.output_token_ids[:-1], 10**6],
+        group_size=1,
+    )
+    forged_reward = msgspec.structs.replace(groups[0][1][0], trajectory_id="gx-0", group_id="gx")
+    landed = await event_log.append(forged)  # first in the log: without the check it would be in the first batch
+    await event_log.append(forged_reward)
+    await publish_groups(event_log, groups)
+    one_version = _settings(settings, model_dir)
+    one_version = one_version.model_copy(update={"trainer": one_version.trainer.model_copy(update={"max_versions": 1})})
+    trainer = Trainer(one_version, event_log, S3BlobStore(settings.blobs))
+    await asyncio.wait_for(trainer.run(asyncio.Event()), HANG_GUARD_S)
+    assert trainer.published == [0, 1]
+    _, lineage = await read_lineage(event_log, S3BlobStore(settings.blobs), settings.run_id, 1)
+    assert "gx" not in {g.group_id for g in lineage.groups}
+
+    dead = [r.event async for r in replay(event_log, "DEADLETTER", f"rl.{settings.run_id}.deadletter.>")]
+    assert [(d.error_class, d.original_seq) for d in dead if isinstance(d, DeadLetter)] == [
+        ("TrajectoryOutOfModel", landed.seq)
+    ]
+    assert "outside the model's vocabulary" in dead[0].reason
+    assert decode_event(dead[0].payload).trajectory_id == "gx-0"  # the refused event itself, for the audit

@@ -18,6 +18,7 @@ checkpoint is never ahead of the head), and a stopping trainer publishes every v
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import socket
 import time
@@ -30,7 +31,7 @@ from pipeline.batching import BatchAssembler, GroupBatchItem
 from pipeline.blobstore import BlobStore, open_blob_store
 from pipeline.chain_publish import ChainPublisher
 from pipeline.codec.warm import warm_in_background
-from pipeline.errors import SprawlError, TransientError
+from pipeline.errors import AppendConflict, SprawlError, TransientError
 from pipeline.eventlog import EventLog
 from pipeline.lease import RunLease
 from pipeline.log_lookup import count_subjects
@@ -51,6 +52,7 @@ from pipeline.topology import (
 from pipeline.version_signing import trainer_signing_key, verify_version
 from schemas import GroupDropped, IslandDrift, Reward, TrainerMetrics, Trajectory
 from workers.lifecycle import end_guards, run_connected, run_guarded
+from workers.trainer.admission import refusal, refused_trajectory
 from workers.trainer.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
 from workers.trainer.drift_guard import DriftChange, DriftGuard
 from workers.trainer.publishing import BackgroundPublisher, Pending
@@ -239,11 +241,30 @@ class Trainer:
         async for item in follower.events(stop):
             now = time.monotonic()
             if isinstance(item.event, Trajectory):
+                if not await self._admitted(item, name):
+                    self.next_traj_seq = max(self.next_traj_seq, item.stream_seq + 1)
+                    continue
                 self.assembler.add_trajectory(item.event, item.stream_seq, now)
                 self.next_traj_seq = max(self.next_traj_seq, item.stream_seq + 1)
             elif isinstance(item.event, Reward):
                 self.assembler.add_reward(item.event, item.stream_seq, now)
                 self.next_reward_seq = max(self.next_reward_seq, item.stream_seq + 1)
+
+    async def _admitted(self, item, consumer: str) -> bool:
+        """False (and the trajectory dead-lettered, once) when this model cannot index its ids."""
+        assert self.model is not None
+        config = self.model.config
+        reason = refusal(item.event, config.vocab_size, getattr(config, "num_experts", None))
+        if reason is None:
+            return True
+        log.error("trajectory refused", trajectory_id=item.event.trajectory_id, seq=item.stream_seq, reason=reason)
+        dead = refused_trajectory(
+            item.event, reason=reason, run_id=self.run_id, consumer=consumer, subject=item.subject, seq=item.stream_seq
+        )
+        # AppendConflict: dead-lettered already (an earlier run of this trainer, or another consumer)
+        with contextlib.suppress(AppendConflict):
+            await self.log.append(dead)
+        return False
 
     async def _publish_initial(self) -> None:
         """Version 0, the initial weights: published before any update, so nothing to overlap."""
