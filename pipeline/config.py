@@ -260,7 +260,7 @@ class StreamSettings(Section):
 
 class ChainSettings(Section):
     views: list[str] = Field(["bf16"], min_length=1)
-    """Served views the trainer publishes for every version (e.g. `bf16`, `fp8_e4m3`)."""
+    """Served views the trainer publishes for every version (`bf16`, `fp8_e4m3`, `mxfp4`)."""
     keyframe_every: int = Field(20, ge=1)
     """A full keyframe every K versions (and at version 0); patches in between."""
     keyframe_patches: bool = True
