@@ -55,11 +55,11 @@ def test_blob_backends_are_chosen_by_type(tmp_path):
 
 
 def test_unknown_view_is_a_sprawl_error_naming_the_registered_ones():
-    with pytest.raises(UnknownView, match=r"'int4'.*bf16, fp8_e4m3") as info:
+    with pytest.raises(UnknownView, match=r"'int4'.*bf16, fp8_e4m3, mxfp4") as info:
         get_view("int4")
     assert isinstance(info.value, SprawlError) and isinstance(info.value, ValueError)
     assert "pipeline/views/" in info.value.hint
-    assert set(VIEWS) == {"bf16", "fp8_e4m3"}
+    assert set(VIEWS) == {"bf16", "fp8_e4m3", "mxfp4"}
 
 
 def test_outages_are_transient_errors():

@@ -29,8 +29,10 @@ from pipeline.topology import (
 from schemas import (
     DeadLetter,
     GroupDropped,
+    IslandDrift,
     IslandHeartbeat,
     PromptGroup,
+    StabilityResult,
     TrainerCheckpoint,
     TrainerLease,
     TrainerMetrics,
@@ -68,6 +70,30 @@ def _one_event_of_each_type(run: str) -> list:
         ),
         GroupDropped(run_id=run, group_id="g0", reason="r", trajectory_ids=[], waited_s=1.0),
         TrainerLease(run_id=run, holder="h", expires_at=0.0),
+        IslandDrift(
+            run_id=run,
+            island_id="i0",
+            state="flagged",
+            version=1,
+            kl_k3=1.0,
+            ess_ratio=0.5,
+            baseline_kl_k3=0.001,
+            factor=50.0,
+        ),
+        StabilityResult(
+            run_id=run,
+            experiment_id=run,
+            cell_run_id=f"{run}-mixed-none-s0",
+            fleet="mixed",
+            correction="none",
+            seed=0,
+            updates=1,
+            collapsed=False,
+            start_reward=0.5,
+            final_reward=0.5,
+            kl_mean=0.01,
+            collapse_rule="r",
+        ),
     ]
     # A claim check travels on the subject of the event it stands in for; every other type is here.
     assert {type(e) for e in events} == {c for c in CURRENT_EVENTS if c.type_tag() != "claim_check.v1"}
