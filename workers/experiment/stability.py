@@ -284,6 +284,19 @@ async def _recorded(settings: StabilitySettings, experiment_id: str) -> dict[tup
     return found
 
 
+async def _declare(settings: StabilitySettings, experiment_id: str) -> None:
+    """The streams (a fresh stack has none until a run declares them) and the experiment's own
+    consumers: its id is a run of its own in the log, whose results the archiver reads like any run's."""
+    from infra.streams import apply
+    from pipeline.eventlog import EventLog
+
+    event_log = await EventLog.connect(settings, worker="experiment")
+    try:
+        await apply(event_log.js, settings.streams, experiment_id, log=settings.log, nats=settings.nats)
+    finally:
+        await event_log.close()
+
+
 async def _append(settings: StabilitySettings, event) -> None:
     from pipeline.eventlog import EventLog
 
@@ -297,16 +310,6 @@ async def _append(settings: StabilitySettings, event) -> None:
 async def _archive(settings: StabilitySettings, experiment_id: str) -> int:
     """Bring the experiment's archive up to date (its results; each run's archive `up` drained)."""
     from infra import stack
-    from infra.streams import apply
-    from pipeline.eventlog import EventLog
-
-    # The experiment's id is a run of its own in the log: its archiver's consumers are declared like
-    # any run's (as `sprawl up` does for each cell's run), by the experiment's own (admin) identity.
-    event_log = await EventLog.connect(settings, worker="experiment")
-    try:
-        await apply(event_log.js, settings.streams, experiment_id, log=settings.log, nats=settings.nats)
-    finally:
-        await event_log.close()
     from pipeline.config import load_settings
     from workers.archiver import ArchiverSettings, drain_once
 
@@ -369,7 +372,9 @@ def run_matrix(options: ExperimentOptions, settings: StabilitySettings) -> tuple
     rule = settings.collapse
     logs = settings.state_dir.resolve() / "experiments" / experiment_id
     config = write_run_config(settings, logs)
-    earlier = asyncio.run(_recorded(settings, experiment_id)) if _log_reachable(settings) else {}
+    settings = _local_stack(settings)
+    asyncio.run(_declare(settings, experiment_id))
+    earlier = asyncio.run(_recorded(settings, experiment_id))
     results: list[Recorded] = []
     print(
         f"experiment {experiment_id}: {len(runs)} runs of {updates} updates "
@@ -435,11 +440,14 @@ def run_matrix(options: ExperimentOptions, settings: StabilitySettings) -> tuple
     return result_json(experiment_id, cells, settings, updates), cells
 
 
-def _log_reachable(settings: StabilitySettings) -> bool:
-    """Whether a stack is there to ask for earlier results (`sprawl up` starts one if not)."""
+def _local_stack(settings: StabilitySettings) -> StabilitySettings:
+    """The local stack every run of the matrix uses, started now if it is not running (each `sprawl up`
+    would start it too, but the experiment reads the log before the first run), and the settings as
+    the stack's admin."""
     from infra import stack
 
-    return stack.partly_running(settings) is not None
+    stack.up(settings)
+    return stack.with_role(settings, "admin")
 
 
 def summarize(results: Sequence[Recorded]) -> list[CellSummary]:
