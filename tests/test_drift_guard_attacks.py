@@ -33,18 +33,8 @@ def _update(**kls: float | tuple[float, float]) -> dict[str, dict[str, float]]:
 
 def _event(change) -> IslandDrift:
     """The event the trainer appends for a change, through the log's codec (what a reader gets)."""
-    event = IslandDrift(
-        run_id="r",
-        island_id=change.island_id,
-        view=change.view,
-        state=change.state,
-        version=change.version,
-        kl_k3=change.kl_k3,
-        ess_ratio=change.ess_ratio,
-        baseline_kl_k3=change.baseline_kl_k3,
-        factor=change.factor,
-        quarantined=change.quarantined,
-    )
+    event = change.event("r")
+    assert isinstance(event, IslandDrift)
     decoded = decode_event(encode_event(event))
     assert decoded == event
     return decoded

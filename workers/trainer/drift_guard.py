@@ -43,6 +43,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from schemas import IslandDrift
 from workers.trainer.settings import DriftSection
 
 UNJUDGED = "unjudged-islands"
@@ -91,6 +92,21 @@ class DriftChange:
     baseline_kl_k3: float
     factor: float
     quarantined: bool
+
+    def event(self, run_id: str) -> IslandDrift:
+        """The `island_drift.v1` event that says so."""
+        return IslandDrift(
+            run_id=run_id,
+            island_id=self.island_id,
+            view=self.view,
+            state=self.state,
+            version=self.version,
+            kl_k3=self.kl_k3,
+            ess_ratio=self.ess_ratio,
+            baseline_kl_k3=self.baseline_kl_k3,
+            factor=self.factor,
+            quarantined=self.quarantined,
+        )
 
 
 class DriftGuard:

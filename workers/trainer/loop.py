@@ -50,7 +50,7 @@ from pipeline.topology import (
     trajectories_filter,
 )
 from pipeline.version_signing import trainer_signing_key, verify_version
-from schemas import GroupDropped, IslandDrift, Reward, TrainerMetrics, Trajectory
+from schemas import GroupDropped, Reward, TrainerMetrics, Trajectory
 from workers.lifecycle import end_guards, run_connected, run_guarded
 from workers.trainer.admission import refusal, refused_trajectory
 from workers.trainer.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
@@ -312,20 +312,7 @@ class Trainer:
                 baseline_kl_k3=change.baseline_kl_k3,
                 quarantined=change.quarantined,
             )
-            await self.log.append(
-                IslandDrift(
-                    run_id=self.run_id,
-                    island_id=change.island_id,
-                    view=change.view,
-                    state=change.state,
-                    version=change.version,
-                    kl_k3=change.kl_k3,
-                    ess_ratio=change.ess_ratio,
-                    baseline_kl_k3=change.baseline_kl_k3,
-                    factor=change.factor,
-                    quarantined=change.quarantined,
-                )
-            )
+            await self.log.append(change.event(self.run_id))
 
     async def _drop_expired(self) -> None:
         """Drop the overdue incomplete groups the log says are incomplete too.
