@@ -23,11 +23,11 @@ import math
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import CliPositionalArg
@@ -36,11 +36,18 @@ from pipeline.config import ChainSettings, CommandOptions, Section, write_settin
 from pipeline.errors import SprawlError
 from pipeline.logs import get_logger
 from pipeline.off_policy.registry import apply_spec
+from schemas import StabilityResult, TrainerMetrics
 from workers.experiment.collapse import SERIES, CellSummary, CollapseRule, RunOutcome, judge, summarize_cell
 from workers.trainer.settings import TrainerSection
 from workers.up.options import PromptSection, TaskSettings, UpSettings, WatchdogSection
 
+if TYPE_CHECKING:
+    from pipeline.eventlog import EventLog
+
 log = get_logger(__name__)
+T = TypeVar("T")
+E = TypeVar("E")
+K = TypeVar("K")
 
 FLEETS: dict[str, tuple[str, ...]] = {
     "homogeneous": ("bf16", "bf16", "bf16"),
@@ -201,37 +208,52 @@ def run_up(command: list[str], log_file: Path) -> dict:
     return summary
 
 
-async def _trainer_metrics(settings: StabilitySettings, run_id: str) -> list:
+async def _with_log(settings: StabilitySettings, work: Callable[[EventLog], Awaitable[T]]) -> T:
+    """`work` on a connection of its own (the experiment talks to the log between runs of minutes: a
+    connection held across them would only wait out outages nobody is reading)."""
     from pipeline.eventlog import EventLog
-    from pipeline.replay import replay
-    from pipeline.topology import METRICS, Kind, run_subject, token
-    from schemas import TrainerMetrics
 
-    by_version: dict[int, TrainerMetrics] = {}
     event_log = await EventLog.connect(settings, worker="experiment")
     try:
-        subject = run_subject(token(run_id, "run_id"), Kind.METRICS, "trainer")
-        async for item in replay(event_log, METRICS.name, subject):
-            if isinstance(item.event, TrainerMetrics):
-                by_version[item.event.version] = item.event  # a retried append is the same version
+        return await work(event_log)
     finally:
         await event_log.close()
+
+
+async def _newest_by(
+    event_log: EventLog, run_id: str, qualifier: str, kind: type[E], key: Callable[[E], K]
+) -> dict[K, E]:
+    """The `kind` events on the run's `metrics.<qualifier>` subject, the newest per `key` (a retried
+    append or a rerun records the same key again)."""
+    from pipeline.replay import replay
+    from pipeline.topology import METRICS, Kind, run_subject, token
+
+    found: dict[K, E] = {}
+    async for item in replay(event_log, METRICS.name, run_subject(token(run_id, "run_id"), Kind.METRICS, qualifier)):
+        if isinstance(item.event, kind):
+            found[key(item.event)] = item.event
+    return found
+
+
+async def _trainer_metrics(event_log: EventLog, run_id: str) -> list[TrainerMetrics]:
+    by_version = await _newest_by(event_log, run_id, "trainer", TrainerMetrics, lambda m: m.version)
     return [by_version[v] for v in sorted(by_version)]
 
 
-async def _fresh_run_id(settings: StabilitySettings, run: PlannedRun, experiment_id: str) -> str:
+async def _recorded(event_log: EventLog, experiment_id: str) -> dict[tuple[str, str, int], StabilityResult]:
+    return await _newest_by(
+        event_log, experiment_id, "stability", StabilityResult, lambda r: (r.fleet, r.correction, r.seed)
+    )
+
+
+async def _fresh_run_id(event_log: EventLog, run: PlannedRun, experiment_id: str) -> str:
     """The first attempt's run id whose chain is empty (an earlier attempt crashed part way)."""
-    from pipeline.eventlog import EventLog
     from pipeline.version_log import chain_head
 
-    event_log = await EventLog.connect(settings, worker="experiment")
-    try:
-        for attempt in range(1, 100):
-            run_id = run.run_id(experiment_id, attempt)
-            if await chain_head(event_log, run_id) is None:
-                return run_id
-    finally:
-        await event_log.close()
+    for attempt in range(1, 100):
+        run_id = run.run_id(experiment_id, attempt)
+        if await chain_head(event_log, run_id) is None:
+            return run_id
     raise RunFailed(
         f"{run.fleet}/{run.correction}/seed {run.seed} failed 99 times", hint="see the runs' logs; start anew"
     )
@@ -266,45 +288,12 @@ def series_of(metrics: Sequence) -> dict[str, list[float]]:
 # ---------------------------------------------------------------- the record in the log
 
 
-async def _recorded(settings: StabilitySettings, experiment_id: str) -> dict[tuple[str, str, int], object]:
-    from pipeline.eventlog import EventLog
-    from pipeline.replay import replay
-    from pipeline.topology import METRICS, Kind, run_subject, token
-    from schemas import StabilityResult
-
-    found: dict[tuple[str, str, int], object] = {}
-    event_log = await EventLog.connect(settings, worker="experiment")
-    try:
-        subject = run_subject(token(experiment_id, "experiment_id"), Kind.METRICS, "stability")
-        async for item in replay(event_log, METRICS.name, subject):
-            if isinstance(item.event, StabilityResult):
-                found[(item.event.fleet, item.event.correction, item.event.seed)] = item.event
-    finally:
-        await event_log.close()
-    return found
-
-
-async def _declare(settings: StabilitySettings, experiment_id: str) -> None:
+async def _declare(event_log: EventLog, settings: StabilitySettings, experiment_id: str) -> None:
     """The streams (a fresh stack has none until a run declares them) and the experiment's own
     consumers: its id is a run of its own in the log, whose results the archiver reads like any run's."""
     from infra.streams import apply
-    from pipeline.eventlog import EventLog
 
-    event_log = await EventLog.connect(settings, worker="experiment")
-    try:
-        await apply(event_log.js, settings.streams, experiment_id, log=settings.log, nats=settings.nats)
-    finally:
-        await event_log.close()
-
-
-async def _append(settings: StabilitySettings, event) -> None:
-    from pipeline.eventlog import EventLog
-
-    event_log = await EventLog.connect(settings, worker="experiment")
-    try:
-        await event_log.append(event)
-    finally:
-        await event_log.close()
+    await apply(event_log.js, settings.streams, experiment_id, log=settings.log, nats=settings.nats)
 
 
 async def _archive(settings: StabilitySettings, experiment_id: str) -> int:
@@ -363,7 +352,6 @@ def write_run_config(settings: StabilitySettings, directory: Path) -> Path:
 
 def run_matrix(options: ExperimentOptions, settings: StabilitySettings) -> tuple[dict, list[CellSummary]]:
     from pipeline.topology import token
-    from schemas import StabilityResult
 
     experiment_id = options.experiment_id or "stab-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     token(experiment_id, "experiment_id")
@@ -373,15 +361,15 @@ def run_matrix(options: ExperimentOptions, settings: StabilitySettings) -> tuple
     logs = settings.state_dir.resolve() / "experiments" / experiment_id
     config = write_run_config(settings, logs)
     settings = _local_stack(settings)
-    asyncio.run(_declare(settings, experiment_id))
-    earlier = asyncio.run(_recorded(settings, experiment_id))
+    asyncio.run(_with_log(settings, lambda log: _declare(log, settings, experiment_id)))
+    earlier = asyncio.run(_with_log(settings, lambda log: _recorded(log, experiment_id)))
     results: list[Recorded] = []
     print(
         f"experiment {experiment_id}: {len(runs)} runs of {updates} updates "
         f"({len(earlier)} already recorded); stress {settings.stress.as_record()}",
         file=sys.stderr,
     )
-    mismatched = sorted({r.updates for r in earlier.values()} - {updates})  # type: ignore[attr-defined]
+    mismatched = sorted({r.updates for r in earlier.values()} - {updates})
     if mismatched:
         raise SprawlError(
             f"experiment {experiment_id} has runs of {', '.join(map(str, mismatched))} updates; this one asks "
@@ -393,39 +381,35 @@ def run_matrix(options: ExperimentOptions, settings: StabilitySettings) -> tuple
         known = earlier.get((run.fleet, run.correction, run.seed))
         if known is not None:
             # Judged again from its stored curves: the rule of this invocation decides, not the recorded one.
-            series = {k: [_nan(v) for v in vs] for k, vs in known.series.items()}  # type: ignore[attr-defined]
-            results.append(Recorded(run, judge(series, rule), series, known.cell_run_id))  # type: ignore[attr-defined]
+            series = {k: [_nan(v) for v in vs] for k, vs in known.series.items()}
+            results.append(Recorded(run, judge(series, rule), series, known.cell_run_id))
             print(f"{label}: recorded earlier", file=sys.stderr)
             continue
-        run_id = asyncio.run(_fresh_run_id(settings, run, experiment_id))
+        run_id = asyncio.run(_with_log(settings, lambda log, run=run: _fresh_run_id(log, run, experiment_id)))
         started = time.monotonic()
         run_up(up_command(settings, run, run_id, updates, config), logs / f"{run_id}.log")
-        metrics = asyncio.run(_trainer_metrics(settings, run_id))
+        metrics = asyncio.run(_with_log(settings, lambda log, run_id=run_id: _trainer_metrics(log, run_id)))
         check_versions(metrics, updates, run_id)
         series = series_of(metrics)
         outcome = judge(series, rule)
-        asyncio.run(
-            _append(
-                settings,
-                StabilityResult(
-                    run_id=experiment_id,
-                    experiment_id=experiment_id,
-                    cell_run_id=run_id,
-                    fleet=run.fleet,
-                    correction=run.correction,
-                    seed=run.seed,
-                    updates=outcome.updates,
-                    collapsed=outcome.collapsed,
-                    updates_to_collapse=outcome.updates_to_collapse,
-                    start_reward=outcome.start_reward,
-                    final_reward=_nullable(outcome.final_reward),
-                    kl_mean=_nullable(outcome.kl_mean),
-                    collapse_rule=rule.describe(),
-                    stress=settings.stress.as_record(),
-                    series={k: [_nullable(v) for v in vs] for k, vs in series.items()},
-                ),
-            )
+        result = StabilityResult(
+            run_id=experiment_id,
+            experiment_id=experiment_id,
+            cell_run_id=run_id,
+            fleet=run.fleet,
+            correction=run.correction,
+            seed=run.seed,
+            updates=outcome.updates,
+            collapsed=outcome.collapsed,
+            updates_to_collapse=outcome.updates_to_collapse,
+            start_reward=outcome.start_reward,
+            final_reward=_nullable(outcome.final_reward),
+            kl_mean=_nullable(outcome.kl_mean),
+            collapse_rule=rule.describe(),
+            stress=settings.stress.as_record(),
+            series={k: [_nullable(v) for v in vs] for k, vs in series.items()},
         )
+        asyncio.run(_with_log(settings, lambda log, result=result: log.append(result)))
         results.append(Recorded(run, outcome, series, run_id))
         print(
             f"{label}: reward {outcome.start_reward:.3f} -> {outcome.final_reward:.3f}, KL {outcome.kl_mean:.2e}, "
