@@ -3,7 +3,9 @@
 It samples in its own loop (not `generate`) so it can return what the trainer needs: the sampled
 token's logprob under the processed distribution (temperature, top-k, top-p) and under the raw one,
 the top-k of the processed distribution, the kept set, and the experts each MoE router picked
-(captured from the routers themselves). It runs in the view's numerics (bf16 compute; fp8 weights
+(captured from the routers themselves, found and read through the model's MoE family in
+`pipeline.moe_families`; an MoE model of no registered family is refused when it is loaded, since its
+routes could not be recorded). It runs in the view's numerics (bf16 compute; fp8 weights
 dequantized from their block scales, mxfp4 weights from their E2M1 codes and E8M0 scales), so its
 logprobs equal a teacher-forced recomputation on the same weights.
 
@@ -27,6 +29,7 @@ import torch
 from pipeline.errors import SprawlError
 from pipeline.logs import get_logger
 from pipeline.model_construction import MODEL_CONSTRUCTION
+from pipeline.moe_families import MoeFamily, model_routers
 from pipeline.sampling import draw, process_logits, truncates
 from schemas import VersionSpan
 from workers.sampler.engines.base import Capabilities, EngineUnavailable, GenerateRequest, Sample
@@ -58,6 +61,18 @@ def cache_keyword(model) -> str:
     raise UnsupportedModelForward(type(model).__name__, "forward() takes neither `cache` nor `past_key_values`")
 
 
+def loadable_tensors(model: torch.nn.Module, *, remove_duplicate: bool = False) -> dict[str, torch.Tensor]:
+    """What a version sets in `model`: its parameters (tied ones under each name unless
+    `remove_duplicate`) and its persistent buffers (DeepSeek-V3's `e_score_correction_bias`, which its
+    checkpoints carry), exactly the names of its state dict."""
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=remove_duplicate))
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name not in parameters:
+            tensors[name] = tensor
+    return tensors
+
+
 class ReferenceEngine:
     def __init__(
         self,
@@ -75,6 +90,8 @@ class ReferenceEngine:
         self.threads = threads
         self.model = None
         self._cache_keyword = ""  # read from the model's forward signature when it is built
+        self._family: MoeFamily | None = None  # the model's MoE family (None: dense), found when it is built
+        self._routers: list[torch.nn.Module] = []
         self._version: int | None = None
         self._lock = threading.Lock()  # one forward pass or weight commit at a time
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
@@ -167,8 +184,10 @@ class ReferenceEngine:
             raise CheckpointLayoutError(f"{path} does not fit its config's model: {mismatch}") from None
         model.to(self.device).eval()
         keyword = cache_keyword(model)
+        family, routers = model_routers(model)  # refuses an MoE model whose routes it cannot record
         with self._lock:
             self.model, self._cache_keyword, self._version = model, keyword, version
+            self._family, self._routers = family, routers
 
     def _commit(self, state: dict[str, torch.Tensor], version: int) -> float:
         t0 = time.perf_counter()
@@ -181,7 +200,7 @@ class ReferenceEngine:
         its shape (`copy_` would broadcast a [1, in] tensor over [out, in] without a word), and a whole
         version covers every parameter (one left out would keep serving the previous version's bits)."""
         assert self.model is not None
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params = loadable_tensors(self.model)
         for name, tensor in state.items():
             if name not in params:
                 raise CheckpointLayoutError(f"{name} is not a parameter of the model being served")
@@ -189,13 +208,14 @@ class ReferenceEngine:
                 raise CheckpointLayoutError(
                     f"{name} is {tuple(tensor.shape)}, the served model's is {tuple(params[name].shape)}"
                 )
-        missing = sorted(dict(self.model.named_parameters()).keys() - state.keys()) if whole else []
+        required = loadable_tensors(self.model, remove_duplicate=True).keys()
+        missing = sorted(required - state.keys()) if whole else []
         if missing:
             raise CheckpointLayoutError(f"a whole version without {', '.join(missing[:3])} ({len(missing)} missing)")
 
     def _apply_state(self, state: dict[str, torch.Tensor], version: int) -> None:
         assert self.model is not None
-        params = dict(self.model.named_parameters())
+        params = loadable_tensors(self.model)
         with torch.no_grad():
             for name, tensor in state.items():
                 params[name].copy_(tensor)
@@ -225,11 +245,7 @@ class ReferenceEngine:
                 self._apply_state(state, version)
             version = self._version
             assert self.model is not None and version is not None
-            hooks = [
-                module.register_forward_hook(lambda _m, _i, out: routing.append(out[2].detach().cpu()))
-                for name, module in self.model.named_modules()
-                if name.endswith("mlp.gate")
-            ]
+            hooks = [router.register_forward_hook(self._record_route(routing)) for router in self._routers]
             cached = cache.get_seq_length()
             try:
                 with torch.no_grad():
@@ -241,6 +257,15 @@ class ReferenceEngine:
             if cache.get_seq_length() != cached + input_ids.shape[1]:
                 raise UnsupportedModelForward(type(self.model).__name__, "the KV cache passed in was not filled")
         return out.logits[:, -1].float().cpu(), version
+
+    def _record_route(self, routing: list[torch.Tensor]):
+        family = self._family
+        assert family is not None  # only MoE models have routers to hook
+
+        def hook(_module, _inputs, output) -> None:
+            routing.append(family.chosen(output).detach().cpu())
+
+        return hook
 
     def _generate(self, request: GenerateRequest) -> list[Sample]:
         from transformers import DynamicCache

@@ -1,6 +1,7 @@
 """Loading a materialized version into a transformers model, in the view's numerics.
 
-Disk layout -> transformers 5 in-memory layout (experts fused per layer). A quantized view's linear
+Disk layout -> transformers 5 in-memory layout (experts fused per layer), named as the version's
+config's MoE family says (`pipeline.moe_families`). A quantized view's linear
 weights are dequantized with their scales into the compute dtype: block-fp8 (`weight` float8_e4m3fn +
 `weight_scale_inv`) and MXFP4 (`weight` uint8, two E2M1 codes a byte, + E8M0 `weight_scale`). So an
 fp8 or mxfp4 island computes with the rounded weights, not with the master weights: islands of
@@ -13,7 +14,6 @@ bug would, so a drift guard can be shown to catch a broken island.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from pipeline.errors import SprawlError
 from pipeline.keyframe import INDEX_FILE
+from pipeline.moe_families import LEGACY_LAYOUT, ExpertLayout, expert_layout
 from pipeline.views import dequantize_fp8_block, dequantize_mxfp4
 from pipeline.views.fp8_e4m3 import FP8_BLOCK
 from pipeline.views.mxfp4 import E8M0_NAN, MX_BLOCK
@@ -40,7 +41,15 @@ class CheckpointLayoutError(SprawlError):
         super().__init__(detail, hint="the version on disk is incomplete or not this model's; re-materialize it")
 
 
-_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts\.)(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+def checkpoint_layout(directory: Path) -> ExpertLayout:
+    """How the version in `directory` names its tensors: its config's MoE family's layout."""
+    try:
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    except FileNotFoundError:
+        raise CheckpointLayoutError(f"{directory} has no config.json to say which model it holds") from None
+    if not model_type:
+        raise CheckpointLayoutError(f"{directory}/config.json names no model_type")
+    return expert_layout(model_type)
 
 
 def read_served_tensors(directory: Path, only: set[str] | None = None) -> dict[str, torch.Tensor]:
@@ -78,12 +87,13 @@ def weight_of(name: str) -> str:
 def affected_disk_tensors(directory: Path, changed: list[str]) -> set[str]:
     """Disk tensors to read so every in-memory tensor touched by `changed` can be rebuilt: a changed
     expert brings its whole fused layer along, a changed quantized weight its scale (and the reverse)."""
+    layout = checkpoint_layout(directory)
     names = set(json.loads((directory / INDEX_FILE).read_text())["weight_map"])
     weights = {weight_of(n) for n in changed}
-    layers = {m["prefix"] for w in weights if (m := _EXPERT.match(w))}
+    layers = {expert.fused_prefix for w in weights if (expert := layout.expert_of(w))}
     for name in names:
-        match = _EXPERT.match(weight_of(name))
-        if match and match["prefix"] in layers:
+        expert = layout.expert_of(weight_of(name))
+        if expert is not None and expert.fused_prefix in layers:
             weights.add(weight_of(name))
     return {n for n in names if weight_of(n) in weights}
 
@@ -186,27 +196,28 @@ def has_quantized_weights(tensors: dict[str, torch.Tensor]) -> bool:
     return any(weight_of(name) != name for name in tensors)
 
 
-def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert checkpoint tensors -> transformers 5 fused `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`."""
+def fuse_experts(tensors: dict[str, torch.Tensor], layout: ExpertLayout = LEGACY_LAYOUT) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors (named as `layout` says) -> the transformers 5 in-memory state dict: per-expert
+    tensors fused into `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`, every other name mapped back."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for name, tensor in tensors.items():
-        match = _EXPERT.match(name)
-        if match is None:
-            out[name] = tensor
+        expert = layout.expert_of(name)
+        if expert is None:
+            out[layout.memory_name(name)] = tensor
             continue
-        experts.setdefault(match["prefix"], {}).setdefault(int(match["e"]), {})[match["proj"]] = tensor
+        experts.setdefault(expert.fused_prefix, {}).setdefault(expert.expert, {})[expert.role] = tensor
     for prefix, by_expert in experts.items():
         ids = sorted(by_expert)
         if ids != list(range(len(ids))):
             raise CheckpointLayoutError(f"{prefix}: experts {ids} are not 0..{len(ids) - 1}")
         try:
             out[f"{prefix}gate_up_proj"] = torch.stack(
-                [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]], dim=0) for e in ids]
+                [torch.cat([by_expert[e]["gate"], by_expert[e]["up"]], dim=0) for e in ids]
             )
-            out[f"{prefix}down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in ids])
+            out[f"{prefix}down_proj"] = torch.stack([by_expert[e]["down"] for e in ids])
         except KeyError as missing:
-            raise CheckpointLayoutError(f"{prefix}: an expert has no {missing.args[0]}") from None
+            raise CheckpointLayoutError(f"{prefix}: an expert has no {missing.args[0]} projection") from None
         except RuntimeError as mismatch:  # experts of different shapes cannot be fused
             raise CheckpointLayoutError(f"{prefix}: the experts' shapes differ ({mismatch})") from None
     return out
@@ -224,7 +235,7 @@ def model_state_dict(
     tensors = read_served_tensors(directory, only)
     if fault != "none" and changed is None and not has_quantized_weights(tensors):
         raise FaultNotApplicable(directory)
-    return fuse_experts(to_compute_dtype(tensors, dtype, fault))
+    return fuse_experts(to_compute_dtype(tensors, dtype, fault), checkpoint_layout(directory))
 
 
 def load_config(directory: Path):
