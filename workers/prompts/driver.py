@@ -1,5 +1,5 @@
-"""`sprawl prompts`: keeps `prompts.groups_ahead` demo-task prompt groups published beyond what the trainer
-has taken, as `sprawl up` does beside its trainer, for a cluster where no `sprawl up` runs.
+"""`sprawl prompts`: keeps `prompts.groups_ahead` prompt groups of the run's task published beyond what the
+trainer has taken, as `sprawl up` does beside its trainer, for a cluster where no `sprawl up` runs.
 
 The publishing is `sprawl up`'s own (`workers/up/prompt_driver.py`: `PromptDriver.top_up`, numbering
 from `prompts_in_log`), so group i of a run is the same problem with the same message id wherever it
@@ -59,16 +59,20 @@ def last_group(settings: PromptsSettings, dropped: int) -> int:
 async def publish_ahead(event_log: EventLog, settings: PromptsSettings, stop: asyncio.Event) -> None:
     """Top the window up every `feed.poll_s` until `stop`; LogUnavailable once the log has not answered
     for longer than `feed.outage_patience_s`."""
-    from workers.up.prompt_driver import PromptDriver, prompts_in_log  # the demo task: torch
+    from workers.up.prompt_driver import PromptDriver, prompts_in_log, task_prompts  # the demo task: torch
 
     run = settings.run_id
+    # The rows are read and every prompt rendered once, before the first group: a task that cannot run
+    # fails here, at start, in one line.
+    prompts = task_prompts(settings, settings.model_dir)  # type: ignore[arg-type]
     driver: PromptDriver | None = None
     silent_since: float | None = None
     while not stop.is_set():
         try:
             if driver is None:  # numbered after the groups in the log, once the log says how many
-                # PromptDriver reads `.prompts`, `.task` and `.trainer.group_size`, which these settings share.
-                driver = PromptDriver(event_log, run, settings, await prompts_in_log(event_log, run))  # type: ignore[arg-type]
+                # PromptDriver reads `.prompts` and `.trainer.group_size`, which these settings share.
+                first = await prompts_in_log(event_log, run)
+                driver = PromptDriver(event_log, run, settings, first, prompts)  # type: ignore[arg-type]
                 log.info("prompt driver started", run=run, next_group=driver.next_index)
             dropped = await dropped_groups(event_log, run)
             taken = await taken_groups(event_log, run, settings.trainer.groups_per_batch)

@@ -49,8 +49,10 @@ class RewardSettings(SprawlSettings):
     """Where verifier programs run (opened only when a routed verifier needs it)."""
     concurrency: int = Field(4, ge=1)
     """Trajectories verified at once (the warm pool should be at least this large)."""
-    routes: dict[str, str] = {"arith": "exact", "exact": "exact", "format": "format"}
-    """Task -> verifier (a key of `VERIFIERS`). Code tasks are opt-in because they need bubblewrap:
+    routes: dict[str, str] = {"arith": "exact", "exact": "exact", "format": "format", "math_word": "number"}
+    """Task -> verifier (a key of `VERIFIERS`): the prompt group's `task` (the addition demo's is `arith`,
+    a file task's is its name) to the verifier that scores it. `sprawl up` adds its task's route
+    (`workers/tasks/registry.py`). Code tasks are opt-in because they need bubblewrap:
     e.g. SPRAWL_ROUTES='{"arith": "exact", "code": "code_tests"}'."""
     prompt_wait_s: float = Field(30.0, gt=0)
     """How long a trajectory may wait for its prompt group to show up before it is retried later."""

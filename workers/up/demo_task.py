@@ -94,8 +94,8 @@ DEFAULT_TASK = TaskSettings()
 
 def model_cache_dir(state_dir: Path, cfg: TaskSettings) -> Path:
     """Where the warmed-up model for `cfg` is cached: keyed by everything that shapes it (the same key
-    as when this was a dataclass's asdict())."""
-    shape = json.dumps({**cfg.model_dump(), "vocab": SPECIALS + ALPHABET, "v": 2})
+    as when this was a dataclass's asdict(): `name`, which task runs, does not shape this model)."""
+    shape = json.dumps({**cfg.model_dump(exclude={"name"}), "vocab": SPECIALS + ALPHABET, "v": 2})
     key = hashlib.sha256(shape.encode()).hexdigest()[:16]
     return state_dir.resolve() / "models" / f"arith-{key}"
 

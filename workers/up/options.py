@@ -1,15 +1,17 @@
 """What `sprawl up` runs, as two models (no torch here: `sprawl up` checks them before anything loads).
 
 - `UpOptions`: how this invocation runs (`--quick`, `--islands`, `--no-local-islands`, `--views`,
-  `--correction`, `--fresh`, `--versions`, `--json`, `--no-live`): flags only.
+  `--correction`, `--fresh`, `--versions`, `--json`, `--no-live`, `--model`): flags only.
 - `UpSettings`: the run's configuration, from flags, `SPRAWL_...` variables and `--config FILE` like
   every worker's: the stack's settings plus the trainer's and chain's sections (with the demo's
-  tuned defaults), the demo task and the prompt driver. `up` derives each worker's settings from it
+  tuned defaults), the task (`task.name`; tasks of your own in `[tasks.NAME]` tables,
+  `workers/tasks/registry.py`) and the prompt driver. `up` derives each worker's settings from it
   and hands them over as a TOML file.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
@@ -17,6 +19,7 @@ from pydantic import Field, field_validator, model_validator
 from infra.stack import StackSettings
 from pipeline.config import ChainSettings, CommandOptions, Section
 from pipeline.off_policy.registry import apply_spec, correction_spec
+from workers.tasks.registry import TaskSpec, declared_tasks, resolve_task
 from workers.trainer.settings import TrainerSection
 
 VIEW_ALIASES = {"bf16": "bf16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "mxfp4": "mxfp4"}
@@ -26,8 +29,12 @@ QUICK_VERSIONS, DEFAULT_VERSIONS = 30, 500
 
 
 class TaskSettings(Section):
-    """The demo task: multi-digit addition, and the supervised warm-up of its base policy."""
+    """Which task the run trains on; and the addition demo's own settings: its problems and the
+    supervised warm-up of its base policy (a file task's warm-up is in its `[tasks.NAME]` table)."""
 
+    name: str = "addition"
+    """The task: `addition` (the demo), `math_word` (short word problems, a sample that ships with
+    sprawl), or one of your own declared in a `[tasks.NAME]` table (`workers/tasks/registry.py`)."""
     digits: int = Field(2, ge=1, le=19)
     """Operands have up to this many digits (at most 19: a problem and its answer fit the model's
     64 positions)."""
@@ -52,6 +59,9 @@ class PromptSection(Section):
     groups_ahead: int = Field(16, ge=1)
     """Prompt groups published beyond what the trainer has taken: bounds staleness at about
     groups_ahead / trainer.groups_per_batch versions."""
+    top_logprobs: int | None = Field(None, ge=1)
+    """Log-probabilities the islands return per sampled token (score centering): by default the whole
+    vocabulary when it has at most 1024 tokens (the demo models: exact), else the top 32."""
 
 
 class WatchdogSection(Section):
@@ -79,7 +89,10 @@ class UpSettings(StackSettings):
     chain: ChainSettings = ChainSettings(**DEMO_DEFAULTS["chain"])
     """The views published for every version (`--views` sets them) and the chain's shape."""
     task: TaskSettings = TaskSettings()
-    """The demo task and its warm-up."""
+    """The task (`task.name`), and the addition demo's settings and warm-up."""
+    tasks: dict[str, TaskSpec] = {}
+    """Tasks of your own, by name (`[tasks.NAME]` tables: source, fields, template, verifier); a table
+    named after a built-in file task (`math_word`) changes the fields it names."""
     prompts: PromptSection = PromptSection()
     """The prompt driver."""
     watchdog: WatchdogSection = WatchdogSection()
@@ -97,6 +110,16 @@ class UpSettings(StackSettings):
             if isinstance(data.get(section), dict):
                 data[section] = defaults | data[section]
         return data
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _declared_tasks(cls, value: Any) -> Any:
+        return declared_tasks(value)
+
+    @model_validator(mode="after")
+    def _task_known(self) -> UpSettings:
+        resolve_task(self.task.name, self.tasks)  # an unknown name: a TaskError naming the known ones
+        return self
 
 
 class UpOptions(CommandOptions):
@@ -122,6 +145,10 @@ class UpOptions(CommandOptions):
     """Updates this invocation adds to the run (default 500, with --quick 30)."""
     live: bool = True
     """The live view when the output is a terminal (--no-live: a progress line every 10 s)."""
+    model: Path | None = None
+    """A local Hugging Face checkpoint directory (config.json, weights, tokenizer.json, and the chat
+    template in tokenizer_config.json) to train from, instead of the demo's warmed-up tiny model: no
+    warm-up, nothing downloaded; the task's prompts are rendered with its tokenizer."""
 
     @field_validator("views", mode="before")
     @classmethod

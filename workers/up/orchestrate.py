@@ -1,6 +1,8 @@
 """`sprawl up`: the stack, the whole fleet as supervised processes, a real short RL run, a summary.
 
-Phases: stack up (or reuse) and streams declared; the base policy built and warmed up (cached);
+Phases: the task and `--model` checked (`workers/tasks/`: a task that cannot run fails here, before
+anything starts); stack up (or reuse) and streams declared; the base policy built and warmed up
+(cached), or `--model`'s checkpoint taken as it is;
 trainer, sampler islands (a mixed-precision fleet: one view each), reward worker and archiver
 started under a supervisor; a prompt driver keeps a bounded number of prompt groups ahead of the
 trainer (so staleness stays small without any lockstep); the run ends when the trainer publishes
@@ -28,6 +30,7 @@ from pathlib import Path
 from pipeline.config import SprawlSettings, TrustSettings, write_settings_file
 from pipeline.errors import SprawlError
 from pipeline.logs import get_logger
+from workers.tasks.registry import Task, TaskError, resolve_task
 from workers.up.options import UpOptions, UpSettings, correction_of, island_views, run_settings
 from workers.up.stopping import Stopped, StopSignals, exit_code, signal_name
 
@@ -50,6 +53,64 @@ def choose_run_id(state_dir: Path, explicit: str | None, fresh: bool) -> tuple[s
 def remember_run(state_dir: Path, run_id: str) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "current_run").write_text(run_id + "\n")
+
+
+# ---------------------------------------------------------------- the task and the model
+
+
+@dataclass
+class RunTask:
+    """What the run trains on, checked before anything starts."""
+
+    task: Task
+    model: Path | None
+    """`--model`'s checkpoint directory (resolved), or None: the base policy is built and warmed up."""
+    prompts: object | None = None
+    """The task's `TaskPrompts` when `--model` already decides how prompts render (every row checked)."""
+
+
+def prepare_task(options: UpOptions, settings: UpSettings) -> RunTask:
+    """The run's task resolved and `--model` checked: a missing file, a row without its fields, a
+    model without config.json or tokenizer, a prompt the model cannot take: one clear error, now."""
+    from workers.tasks.model_dir import check_model_dir
+    from workers.tasks.sources import load_rows
+
+    task = resolve_task(settings.task.name, settings.tasks)
+    if task.spec is not None:  # a relative source is the working directory's, in the warm-up child too
+        task = Task(task.name, task.spec.model_copy(update={"source": task.spec.source.resolve()}))
+    model = check_model_dir(options.model) if options.model is not None else None
+    if model is not None:
+        from workers.tasks.prompts import TaskPrompts
+
+        return RunTask(task, model, TaskPrompts(task, digits=settings.task.digits, model_dir=model))
+    if task.spec is not None:
+        load_rows(task.spec)
+    return RunTask(task, None)
+
+
+def check_same_task(run_dir: Path, run: RunTask) -> None:
+    """A run trains one task from one model: continuing it with another is refused (the trainer would
+    restore a checkpoint of another model, the log would mix tasks). Runs from before tasks had names
+    were the addition demo on its own model."""
+    import json
+
+    record = run_dir / "task.json"
+    wanted = {"task": run.task.name, "model": None if run.model is None else str(run.model)}
+    if record.exists():
+        held = json.loads(record.read_text())
+    elif (run_dir / "config").exists():  # a run `up` started before it recorded its task
+        held = {"task": "addition", "model": None}
+    else:
+        held = wanted
+    if held != wanted:
+        was = f"task {held['task']!r}" + (f" on --model {held['model']}" if held.get("model") else "")
+        now = f"task {wanted['task']!r}" + (f" on --model {wanted['model']}" if wanted["model"] else "")
+        raise TaskError(
+            f"run {run_dir.name} trains {was}; this invocation asks for {now}",
+            hint="`--fresh` starts a new run (or give the same --task.name and --model)",
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(wanted) + "\n")
 
 
 # ---------------------------------------------------------------- what each worker runs with
@@ -104,9 +165,15 @@ def worker_plans(settings: UpSettings, options: UpOptions, *, model_dir: Path, m
     from workers.archiver import ArchiverSettings
     from workers.rewards.worker import RewardSettings
     from workers.sampler.worker import SamplerSettings
+    from workers.tasks.model_dir import top_logprobs_for
     from workers.trainer.settings import TrainerSettings
     from workers.up.demo_task import VOCAB_SIZE
 
+    task = resolve_task(settings.task.name, settings.tasks)
+    if (model_dir / "config.json").is_file():
+        top_logprobs = top_logprobs_for(model_dir, settings.prompts.top_logprobs)
+    else:  # planned before the demo's model is built: its vocabulary, as the demo's prompt groups ask
+        top_logprobs = min(settings.prompts.top_logprobs or VOCAB_SIZE, VOCAB_SIZE)
     state_dir = settings.state_dir.resolve()
     trust = run_trust(settings)
     shared = {
@@ -150,14 +217,17 @@ def worker_plans(settings: UpSettings, options: UpOptions, *, model_dir: Path, m
         island = {
             "view": view,
             "island_id": island_id,
-            "top_logprobs": VOCAB_SIZE,
+            "top_logprobs": top_logprobs,
             "poll_interval_s": 1.0,
             # The materializer adds <run>/<view>/ below this.
             "materialize": {"cache_dir": state_dir / "islands" / island_id},
         }
         sampler = load_settings(SamplerSettings, None, **as_role("sampler"), island=island, heartbeat_interval_s=2.0)
         plans.append(WorkerPlan(f"sampler-{island_id}", "sampler", sampler, {"island": island_id, "view": view}))
-    plans.append(WorkerPlan("rewards", "rewards", load_settings(RewardSettings, None, **as_role("rewards")), {}))
+    rewards = load_settings(RewardSettings, None, **as_role("rewards"))
+    # The run's task is scored by its own verifier, whatever else the routes say.
+    rewards = rewards.model_copy(update={"routes": rewards.routes | {task.route: task.verifier}})
+    plans.append(WorkerPlan("rewards", "rewards", rewards, {"task": task.name}))
     plans.append(WorkerPlan("archiver", "archiver", load_settings(ArchiverSettings, None, **as_role("archiver")), {}))
     return plans
 
@@ -246,8 +316,10 @@ def run_up(options: UpOptions, settings: UpSettings) -> UpResult:
     run_id, continuing = choose_run_id(state_dir, explicit, options.fresh)
     token(run_id, "run_id")  # a remembered id was checked when it was first used; check again
     settings = run_settings(options, settings).model_copy(update={"run_id": run_id})
-    # Our own logs go to a file: the terminal belongs to the live view.
     run_dir = state_dir.resolve() / "runs" / run_id
+    run = prepare_task(options, settings)  # before anything starts: a task that cannot run fails now
+    check_same_task(run_dir, run)
+    # Our own logs go to a file: the terminal belongs to the live view.
     run_dir.mkdir(parents=True, exist_ok=True)
     configure_logging(run_id, "json", settings.log_level, file=run_dir / "up.log")
 
@@ -264,7 +336,7 @@ def run_up(options: UpOptions, settings: UpSettings) -> UpResult:
             settings = stack.with_endpoints(settings, st)
             remember_run(state_dir, run_id)
             # Until the event loop watches the signals itself, they still raise here.
-            result = asyncio.run(_run(options, settings, run_dir, continuing, out, started, signals, progress))
+            result = asyncio.run(_run(options, settings, run, run_dir, continuing, out, started, signals, progress))
     except Stopped as stopped:
         name = signal_name(stopped.signum)
         summary = {"run_id": run_id, "interrupted": True, "stopped_by": name, "phase": stopped.phase}
@@ -284,6 +356,7 @@ def run_up(options: UpOptions, settings: UpSettings) -> UpResult:
 async def _run(
     options: UpOptions,
     settings: UpSettings,
+    run: RunTask,
     run_dir: Path,
     continuing: bool,
     out: _Output,
@@ -297,7 +370,7 @@ async def _run(
     progress.phase = "connecting to the log"
     event_log = await signals.until_stopped(EventLog.connect(settings, worker="up"), progress.phase)
     try:
-        return await _run_connected(options, settings, run_dir, continuing, out, t0, signals, progress, event_log)
+        return await _run_connected(options, settings, run, run_dir, continuing, out, t0, signals, progress, event_log)
     finally:
         with contextlib.suppress(Exception):  # a dead server must not hide how the run ended
             await asyncio.wait_for(event_log.close(), timeout=10)
@@ -306,6 +379,7 @@ async def _run(
 async def _run_connected(
     options: UpOptions,
     settings: UpSettings,
+    run: RunTask,
     run_dir: Path,
     continuing: bool,
     out: _Output,
@@ -324,23 +398,35 @@ async def _run_connected(
     await signals.until_stopped(
         apply(event_log.js, settings.streams, settings.run_id, log=settings.log, nats=settings.nats), progress.phase
     )
-    cfg = settings.task
+    cfg, spec = settings.task, run.task.spec
+    out.print(_task_line(run))
 
-    progress.phase = "warm-up"
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
-        console=out.console, transient=False, disable=options.json_output and not out.console.is_terminal,
-    ) as bar:  # fmt: skip
-        task = bar.add_task("warm-up (cached after the first run)", total=cfg.warmup_steps, info="")
+    if run.model is not None:
+        model_dir = run.model  # --model: the checkpoint as it is, no warm-up
+        out.print(f"base policy: {model_dir} (--model)")
+    else:
+        progress.phase = "warm-up"
+        steps = cfg.warmup_steps if spec is None else spec.warmup_steps
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+            console=out.console, transient=False, disable=options.json_output and not out.console.is_terminal,
+        ) as bar:  # fmt: skip
+            bar_task = bar.add_task("warm-up (cached after the first run)", total=steps, info="")
 
-        def on_step(step: int, total: int, loss: float) -> None:
-            bar.update(task, completed=step, info=f"loss {loss:.3f}")
+            def on_step(step: int, total: int, loss: float) -> None:
+                bar.update(bar_task, completed=step, info=f"loss {loss:.3f}")
 
-        threads = settings.trainer.threads  # the workers' budget, not one thread per core
-        warming = warm_up(settings.state_dir, cfg, threads=threads, env=worker_env(threads), on_step=on_step)
-        model_dir = await signals.until_stopped(warming, progress.phase)
-        bar.update(task, completed=cfg.warmup_steps)
-    out.print(f"base policy: {model_dir}")
+            threads = settings.trainer.threads  # the workers' budget, not one thread per core
+            warming = warm_up(
+                settings.state_dir, cfg, threads=threads, env=worker_env(threads), on_step=on_step, spec=spec
+            )
+            model_dir = await signals.until_stopped(warming, progress.phase)
+            bar.update(bar_task, completed=steps)
+        out.print(f"base policy: {model_dir}")
+    if run.prompts is None and spec is not None:  # a file task renders with the base policy's tokenizer
+        from workers.tasks.prompts import TaskPrompts
+
+        run.prompts = TaskPrompts(run.task, digits=cfg.digits, model_dir=model_dir)
 
     progress.phase = "reading the run's head"
     head = await signals.until_stopped(chain_head(event_log, settings.run_id), progress.phase)
@@ -353,12 +439,21 @@ async def _run_connected(
         + (f"continuing from v{start_version}" if continuing and head is not None else "new run")
         + f", training to v{target} ({fleet}; correction {correction_of(settings)})"
     )
-    return await _train(options, settings, run_dir, out, t0, signals, progress, event_log, model_dir, head, target)
+    return await _train(options, settings, run, run_dir, out, t0, signals, progress, event_log, model_dir, head, target)
+
+
+def _task_line(run: RunTask) -> str:
+    task = run.task
+    if task.spec is None:
+        return f"task {task.name} (generated problems; verifier {task.verifier})"
+    template = task.spec.template if task.spec.template in ("model", "raw") else "the task's own"
+    return f"task {task.name} (prompts from {task.spec.source}; template {template}; verifier {task.verifier})"
 
 
 async def _train(
     options: UpOptions,
     settings: UpSettings,
+    run: RunTask,
     run_dir: Path,
     out: _Output,
     t0: float,
@@ -391,7 +486,7 @@ async def _train(
     try:
         progress.phase = "counting the run's prompts"
         first_index = await signals.until_stopped(prompts_in_log(event_log, settings.run_id), progress.phase)
-        driver = PromptDriver(event_log, settings.run_id, settings, first_index)
+        driver = PromptDriver(event_log, settings.run_id, settings, first_index, run.prompts)  # type: ignore[arg-type]
         plans = worker_plans(settings, options, model_dir=model_dir, max_version=target)
         progress.phase = "starting workers"
         for spec in worker_specs(plans, run_dir / "config", threads=settings.trainer.threads):
@@ -482,6 +577,8 @@ async def _train(
         interrupted=interrupted,
     )
     summary["stalls"] = watchdog.fired if watchdog is not None else 0
+    summary["task"] = run.task.name
+    summary["model"] = str(model_dir)
     if signals.signum is not None:
         summary["stopped_by"] = signal_name(signals.signum)
     out.print(text)

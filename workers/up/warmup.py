@@ -10,6 +10,9 @@ machine that default turned a 1-minute warm-up into 25.
 
 The child speaks one JSON object per line on stdout: `{"step", "total", "loss"}` as it trains, then
 `{"model_dir"}`. A cached model is answered by the parent without starting a child.
+
+The addition demo warms up its own tiny model (`workers/up/demo_task.py`); a file task run without
+`--model` warms up a character-level one on its rows (`workers/tasks/char_model.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 from pipeline.errors import SprawlError
 from pipeline.logs import get_logger
+from workers.tasks.registry import TaskSpec
 from workers.up.options import TaskSettings
 
 log = get_logger(__name__)
@@ -49,17 +53,18 @@ async def warm_up(
     threads: int,
     env: dict[str, str],
     on_step: Callable[[int, int, float], None] | None = None,
+    spec: TaskSpec | None = None,
 ) -> Path:
     """The warmed-up base policy's directory: from the cache, else trained by a child process on
-    `threads` threads. Cancelling this stops the child (SIGTERM, then SIGKILL) before returning."""
-    from workers.up.demo_task import cached_model
-
-    cached = cached_model(state_dir, cfg)
+    `threads` threads. Cancelling this stops the child (SIGTERM, then SIGKILL) before returning.
+    `spec`: a file task's (its character-level model); None: the addition demo's."""
+    cached = _cached(state_dir, cfg, spec)
     if cached is not None:
         return cached
     from workers.up.supervisor import die_with_parent
 
-    argv = [sys.executable, "-m", "workers.up.warmup", str(state_dir), cfg.model_dump_json(), str(threads)]
+    task = "-" if spec is None else spec.model_dump_json()
+    argv = [sys.executable, "-m", "workers.up.warmup", str(state_dir), cfg.model_dump_json(), str(threads), task]
     process = await asyncio.create_subprocess_exec(
         *argv,
         stdin=asyncio.subprocess.DEVNULL,
@@ -69,7 +74,8 @@ async def warm_up(
         start_new_session=True,  # a terminal's Ctrl-C reaches `up`, which stops it
         preexec_fn=die_with_parent,
     )
-    log.info("warm-up started", pid=process.pid, threads=threads, steps=cfg.warmup_steps)
+    steps = cfg.warmup_steps if spec is None else spec.warmup_steps
+    log.info("warm-up started", pid=process.pid, threads=threads, steps=steps)
     stderr = asyncio.create_task(process.stderr.read())  # type: ignore[union-attr]
     model_dir: Path | None = None
     try:
@@ -93,6 +99,16 @@ async def warm_up(
     return model_dir
 
 
+def _cached(state_dir: Path, cfg: TaskSettings, spec: TaskSpec | None) -> Path | None:
+    if spec is None:
+        from workers.up.demo_task import cached_model
+
+        return cached_model(state_dir, cfg)
+    from workers.tasks.char_model import cached_model as cached_task_model
+
+    return cached_task_model(state_dir, spec, cfg.seed)
+
+
 async def _stop(process: asyncio.subprocess.Process) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
@@ -107,16 +123,23 @@ async def _stop(process: asyncio.subprocess.Process) -> None:
 
 def main(argv: list[str]) -> int:
     state_dir, task, threads = Path(argv[0]), TaskSettings.model_validate_json(argv[1]), int(argv[2])
+    spec = TaskSpec.model_validate_json(argv[3]) if len(argv) > 3 and argv[3] != "-" else None
     import torch
 
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(threads)
-    from workers.up.demo_task import warmed_up_model
 
     def report(step: int, total: int, loss: float) -> None:
         print(json.dumps({"step": step, "total": total, "loss": loss}), flush=True)
 
-    model_dir = warmed_up_model(state_dir, task, report)
+    if spec is None:
+        from workers.up.demo_task import warmed_up_model
+
+        model_dir = warmed_up_model(state_dir, task, report)
+    else:
+        from workers.tasks.char_model import warmed_up_model as warmed_up_task_model
+
+        model_dir = warmed_up_task_model(state_dir, spec, task.seed, report)
     print(json.dumps({"model_dir": str(model_dir)}), flush=True)
     return 0
 
