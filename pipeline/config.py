@@ -270,7 +270,15 @@ class ChainSettings(Section):
     """Also publish skip-patches v-k -> v for these k (>= 2: k = 1 is the ordinary patch), so laggards
     catch up in one hop (costs k views of memory)."""
     max_shard_bytes: int = Field(2 * 1024**3, ge=MIB)
-    """Largest safetensors shard of a keyframe; patches are cut along the same shards."""
+    """Largest safetensors shard of a keyframe (estimated as bf16: 2 bytes an element); patches are cut
+    along the same shards."""
+    publish_units: int = Field(4, ge=1)
+    """At least this many shards a version is cut into (`pipeline/publish_layout.py`), however small
+    the model: the units sharded ranks share when they publish. Part of the chain's layout, so a 1-rank
+    and an N-rank trainer with the same value publish identical files; it matters only for models
+    under `publish_units x max_shard_bytes` (bigger ones are cut finer anyway). 4 lets 2 to 4 ranks
+    share a small model's work, at the price of a few more (small) blobs per version; raise it for
+    more ranks on a small model."""
     chunk_elements: int = Field(1 << 22, ge=1024)
     """Elements per codec chunk (the unit of parallel work and of buffer memory)."""
     zstd_level: int = Field(3, ge=1, le=22)

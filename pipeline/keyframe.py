@@ -19,7 +19,10 @@ CONFIG_FILE = "config.json"
 
 
 def plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
-    """Group tensor names into shards of at most `max_shard_bytes` (a big tensor gets its own)."""
+    """Group tensor names into shards of at most `max_shard_bytes` (a big tensor gets its own).
+
+    For checkpoints written without a plan of their own; the chain publisher cuts its keyframes along
+    its `PublishLayout` (`pipeline/publish_layout.py`) instead, the same files whatever the rank count."""
     shards: list[list[str]] = [[]]
     size = 0
     for name in sorted(tensors):
@@ -59,16 +62,32 @@ def write_checkpoint(
     by_file: dict[str, dict[str, torch.Tensor]] = {}
     for name, file in weight_map.items():
         by_file.setdefault(file, {})[name] = tensors[name]
-    total = 0
-    for file, group in sorted(by_file.items()):
-        save_file(group, str(directory / file), metadata={"format": "pt"})
-        total += sum(t.numel() * t.element_size() for t in group.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    total = sum(write_shard(directory / file, group) for file, group in sorted(by_file.items()))
+    return [*sorted(by_file), *write_metadata_files(directory, weight_map, total, config, extra_files)]
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> int:
+    """One safetensors shard (the same bytes whatever the dict's order: safetensors orders the tensors
+    itself); returns the bytes of its tensors, what the index's `total_size` adds up."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def write_metadata_files(
+    directory: Path,
+    weight_map: dict[str, str],
+    total_size: int,
+    config: dict[str, Any],
+    extra_files: dict[str, bytes] | None = None,
+) -> list[str]:
+    """The files of a checkpoint that are not shards: index (weight map sorted by tensor name), config,
+    extra files. Returns their names in the order a keyframe lists them."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
     for name, data in (extra_files or {}).items():
         (directory / name).write_bytes(data)
-    return [*sorted(by_file), INDEX_FILE, CONFIG_FILE, *sorted(extra_files or {})]
+    return [INDEX_FILE, CONFIG_FILE, *sorted(extra_files or {})]
 
 
 def read_weight_map(directory: Path) -> dict[str, str]:
