@@ -178,13 +178,13 @@ class ReferenceEngine:
         config = load_config(path)
         with MODEL_CONSTRUCTION:  # transformers switches torch's process-wide default dtype meanwhile
             model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+        family, routers = model_routers(model)  # an MoE model whose routes it cannot record is refused first
         try:
             model.load_state_dict(state, strict=True)
         except RuntimeError as mismatch:  # missing, unexpected or mis-shaped tensors
             raise CheckpointLayoutError(f"{path} does not fit its config's model: {mismatch}") from None
         model.to(self.device).eval()
         keyword = cache_keyword(model)
-        family, routers = model_routers(model)  # refuses an MoE model whose routes it cannot record
         with self._lock:
             self.model, self._cache_keyword, self._version = model, keyword, version
             self._family, self._routers = family, routers
@@ -279,8 +279,10 @@ class ReferenceEngine:
         cache = DynamicCache()
         routing: list[torch.Tensor] = []  # per forward pass and layer: [tokens, top_k]
         logits, version = self._step(torch.tensor([prompt] * n), cache, routing)
-        layers = len(routing)
-        per_token_routing: list[torch.Tensor] = [torch.stack(routing, dim=1).view(n, len(prompt), layers, -1)]
+        layers = len(routing)  # 0 for a dense model: nothing is recorded
+        per_token_routing: list[torch.Tensor] = []
+        if layers:
+            per_token_routing.append(torch.stack(routing, dim=1).view(n, len(prompt), layers, -1))
         routing.clear()
         outputs: list[list[int]] = [[] for _ in range(n)]
         lp, raw_lp = [[] for _ in range(n)], [[] for _ in range(n)]
@@ -318,7 +320,8 @@ class ReferenceEngine:
             if all(done) or step == sp.max_new_tokens - 1:
                 break
             logits, version = self._step(torch.tensor(next_tokens).view(n, 1), cache, routing)
-            per_token_routing.append(torch.stack(routing, dim=1).view(n, 1, layers, -1))
+            if layers:
+                per_token_routing.append(torch.stack(routing, dim=1).view(n, 1, layers, -1))
             routing.clear()
         self._aborted.discard(request.request_id)
         route = torch.cat(per_token_routing, dim=1) if layers else None
