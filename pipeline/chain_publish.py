@@ -63,6 +63,8 @@ from schemas import BlobPointer, PolicyVersion, TensorDigest, ViewVersion
 
 log = get_logger(__name__)
 
+UNITS_AT_ONCE = 4
+"""Units a view encodes and uploads at the same time: enough to keep the codec pool and the store busy."""
 TIED_HEAD = "lm_head.weight"
 """Not served when embeddings are tied (`disk_layout` drops it), so not planned or published either."""
 
@@ -148,6 +150,9 @@ class ChainPublisher:
         self._head_seq = 0
         self._opened = False
         self._pool = ThreadPoolExecutor(max_workers=patch_codec._threads())
+        self._unit_pool = ThreadPoolExecutor(max_workers=UNITS_AT_ONCE, thread_name_prefix="publish-unit")
+        """Per-unit work (write and upload a shard, encode and upload a patch); separate from `_pool`,
+        which the codec waits on from inside these threads."""
 
     async def open(self) -> int | None:
         """Find the chain's head in the log; returns it (None for an empty chain)."""
@@ -300,6 +305,7 @@ class ChainPublisher:
         self._head, self._head_seq = version, stream_seq
 
     def close(self) -> None:
+        self._unit_pool.shutdown()
         self._pool.shutdown()
 
     # ---------------------------------------------------------------- helpers
@@ -351,23 +357,32 @@ class ChainPublisher:
         distances = set(self.settings.skip_distances) | ({1} if keyframe and self.settings.keyframe_patches else set())
         skip_bases = [version - k for k in sorted(distances) if patchable_from(version - k)]
         prefix = f"runs/{self.run_id}/policy/v{version:08d}-{self.writer_id}/{name}"
-        main = self._upload_keyframe_shards(tensors, layout, f"{prefix}/keyframe") if keyframe else {}
+
+        def upload(job: tuple[int, int | None]) -> tuple[BlobPointer, dict[str, int]]:
+            """(unit, None): the unit's keyframe shard; (unit, base): its patch from version `base`."""
+            unit, base = job
+            shard = layout.shard_file(unit)
+            if base is None:
+                path = Path(tmp) / shard
+                write_shard(path, tensors[unit])
+                changed = {n: len(b.bits) for n, b in unit_bits[unit].items()}
+                return self._put_file(path, f"{prefix}/keyframe/{shard}"), changed
+            key = f"{prefix}/patch-from-v{base}/{shard.removesuffix('.safetensors')}.sprp"
+            return self._upload_patch(name, state, unit_bits[unit], base, version, key, shard, sums)
+
+        # Units are written, encoded and uploaded side by side (an encode also spreads its chunks over the
+        # codec pool): one shard's tensors alone leave most of the pool and the store idle.
+        own = [(u, None if keyframe else version - 1) for u in units]
+        jobs = own + [(u, base) for u in units for base in skip_bases]
+        with tempfile.TemporaryDirectory(prefix="sprawl-keyframe-") as tmp:
+            done = dict(zip(jobs, self._unit_pool.map(upload, jobs), strict=True))
         unit_views = []
-        for u in units:
-
-            def patch(base: int, u: int = u) -> tuple[BlobPointer, dict[str, int]]:
-                shard = layout.shard_file(u)
-                key = f"{prefix}/patch-from-v{base}/{shard.removesuffix('.safetensors')}.sprp"
-                return self._upload_patch(name, state, unit_bits[u], base, version, key, shard, sums)
-
-            if keyframe:
-                blob, changed = main[u], {n: len(b.bits) for n, b in unit_bits[u].items()}
-            else:
-                blob, changed = patch(version - 1)
-            skips = []
-            for base in skip_bases:
-                skip_blob, skip_changed = patch(base)
-                skips.append(UnitSkip(base_version=base, blob=skip_blob, changed_elements=sum(skip_changed.values())))
+        for u, job in zip(units, own, strict=True):
+            blob, changed = done[job]
+            skips = [
+                UnitSkip(base_version=b, blob=done[u, b][0], changed_elements=sum(done[u, b][1].values()))
+                for b in skip_bases
+            ]
             unit_views.append(
                 UnitView(
                     unit=u,
@@ -385,16 +400,6 @@ class ChainPublisher:
         for old in [v for v in state.history if v < version - horizon + 1]:
             del state.history[old], state.checksums[old], state.layouts[old]
         return ViewPart(view=name, kind="keyframe" if keyframe else "patch", units=unit_views)
-
-    def _upload_keyframe_shards(
-        self, tensors: dict[int, dict[str, torch.Tensor]], layout: PublishLayout, prefix: str
-    ) -> dict[int, BlobPointer]:
-        with tempfile.TemporaryDirectory(prefix="sprawl-keyframe-") as tmp:
-            files = {u: layout.shard_file(u) for u in tensors}
-            for u, group in tensors.items():
-                write_shard(Path(tmp) / files[u], group)
-            pointers = self._pool.map(lambda u: self._put_file(Path(tmp) / files[u], f"{prefix}/{files[u]}"), files)
-            return dict(zip(files, pointers, strict=True))
 
     def _upload_patch(
         self,

@@ -4,6 +4,7 @@ hashes, blob names/sha256/bytes and skip patches (only URIs differ), materialize
 
 import asyncio
 import math
+import pickle
 
 import msgspec
 import pytest
@@ -29,26 +30,27 @@ VIEWS = ["bf16", "fp8_e4m3", "mxfp4"]
 CHAIN = dict(views=VIEWS, keyframe_every=4, skip_distances=[2], publish_units=4)
 
 
-def _publisher(event_log, settings, model, **kw) -> ChainPublisher:
+def _publisher(event_log, settings, model, *, source_shapes=None, writer_id=None, **chain) -> ChainPublisher:
     return ChainPublisher(
         event_log,
         S3BlobStore(settings.blobs),
         run_id=settings.run_id,
         model_config=model.config.to_dict(),
-        settings=ChainSettings(**CHAIN),
+        settings=ChainSettings(**{**CHAIN, **chain}),
         extra_files={"generation_config.json": b"{}"},
         signing_key=TEST_SIGNING_KEY,
-        **kw,
+        source_shapes=source_shapes,
+        writer_id=writer_id,
     )
 
 
-def _ranks(event_log, settings, model, world_size: int) -> list[ChainPublisher]:
+def _ranks(event_log, settings, model, world_size: int, **chain) -> list[ChainPublisher]:
     """One publisher per rank, as a sharded trainer makes them: rank 0's writer id broadcast, every
     parameter's global shape known up front."""
     shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-    first = _publisher(event_log, settings, model, source_shapes=shapes)
+    first = _publisher(event_log, settings, model, source_shapes=shapes, **chain)
     rest = [
-        _publisher(event_log, settings, model, source_shapes=shapes, writer_id=first.writer_id)
+        _publisher(event_log, settings, model, source_shapes=shapes, writer_id=first.writer_id, **chain)
         for _ in range(world_size - 1)
     ]
     return [first, *rest]
@@ -142,6 +144,7 @@ async def test_two_ranks_publish_the_chain_one_process_publishes(event_log, sett
                     assert sorted(names) == sorted(get_view(view).compute(owned))
                     held.append(set(names))
                 assert held[0] and held[1] and not held[0] & held[1]
+            assert all(pickle.loads(pickle.dumps(part)) == part for part in parts)  # all_gather_object pickles
     finally:
         for pub in [*pubs, single]:
             pub.close()
@@ -203,6 +206,25 @@ async def test_parts_that_do_not_make_one_version_append_nothing(event_log, sett
     finally:
         for pub in pubs:
             pub.close()
+
+
+@pytest.mark.integration
+async def test_more_ranks_than_units_leave_some_ranks_idle_and_the_chain_unchanged(event_log, settings, tmp_path):
+    model = tiny_moe()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    pubs = _ranks(event_log, settings, model, 4, views=["bf16"], publish_units=2, max_shard_bytes=1 << 20)
+    assert pubs[0].layout.count == 3  # the tiny model's 0.6 MB in 2 units of 1/2 and a rest: rank 3 is idle
+    try:
+        for version in range(2):
+            state["model.norm.weight"] += 0.25
+            parts, event = await _publish_sharded(pubs, version, state)
+            assert [len(p.units) for p in parts] == [1, 1, 1, 0] and parts[3].views[0].units == []
+            assert event.views[0].root_hash == expected_root(state, "bf16")
+    finally:
+        for pub in pubs:
+            pub.close()
+    got = await materializer(event_log, settings, tmp_path).materialize(1)
+    assert got.root_hash == expected_root(state, "bf16") == verify_directory(got.path)
 
 
 # ---------------------------------------------------------------- the layout alone
