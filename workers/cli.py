@@ -482,6 +482,12 @@ def cmd_sidecar(options, settings) -> int:
 
 
 def cmd_trainer(options, settings) -> int:
+    from workers.trainer.distributed import launched_by_torchrun
+
+    if settings.trainer.ranks > 1 and not launched_by_torchrun():
+        from workers.trainer.launch import launch_ranks
+
+        return launch_ranks(settings, sys.argv[1:])
     from workers.trainer.loop import run_trainer
 
     asyncio.run(run_trainer(settings))

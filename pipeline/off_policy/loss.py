@@ -138,11 +138,14 @@ def policy_loss(
     top_logp: torch.Tensor | None = None,
     top_valid: torch.Tensor | None = None,
     old_logp: torch.Tensor | None = None,
+    normalizer: float | None = None,
 ) -> LossOutput:
     """logits [B,T,V] at the positions that predicted `targets` [B,T]; advantages [B]; loss_mask [B,T]
     (bool); sampler_logp [B,T] log mu(y); kept [B,T,V] the sampler's kept set (mask replay);
     top_ids/top_logp/top_valid [B,T,K] the sampler's top-k of mu (score centering); old_logp [B,T]
-    log pi_old for PPO's proximal ratio."""
+    log pi_old for PPO's proximal ratio. `normalizer`: what the summed loss is divided by (the token
+    count, or with length normalization the count of sequences with a token) when these rows are one
+    slice of a larger batch; None: this batch's own."""
     plan = loss_plan(cfg)
     token_weight = _token_weight(plan, cfg)
     mask = loss_mask.bool()
@@ -171,9 +174,9 @@ def policy_loss(
     per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
     if cfg.length_normalization:
         per_seq = per_token.sum(-1) / mask.sum(-1).clamp(min=1)
-        loss = per_seq.sum() / max(int((mask.sum(-1) > 0).sum()), 1)
+        loss = per_seq.sum() / (normalizer if normalizer is not None else max(int((mask.sum(-1) > 0).sum()), 1))
     else:
-        loss = per_token.sum() / mask.sum().clamp(min=1)
+        loss = per_token.sum() / (normalizer if normalizer is not None else mask.sum().clamp(min=1))
     return LossOutput(loss, logp, rho, weight, low & mask, high & mask, entropy)
 
 

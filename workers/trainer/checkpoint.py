@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import random
 from dataclasses import dataclass
 
@@ -107,6 +108,83 @@ async def restore_checkpoint(
         version=state["version"],
         step=state["step"],
         used=set(state["used"]),
+        trajectory_position=ckpt.trajectory_position,
+        reward_position=ckpt.reward_position,
+    )
+
+
+# ---------------------------------------------------------------- several ranks
+
+
+async def save_sharded_checkpoint(
+    event_log: EventLog,
+    blobs: BlobStore,
+    training,
+    *,
+    run_id: str,
+    holder: str,
+    version: int,
+    step: int,
+    used: set[str],
+    positions: tuple[int, int],
+) -> None:
+    """Rank 0 of a sharded trainer: every rank writes its torch.distributed.checkpoint shards and
+    uploads them (`RankTraining.save_sharded`); then a manifest naming every file with its digest
+    (and what only rank 0 knows: the step and the trajectories used) is the checkpoint's blob, and
+    the event follows it. A rank that dies midway leaves files without a manifest: no event, so
+    recovery uses the previous checkpoint."""
+    from workers.trainer.ranks import checkpoint_manifest
+
+    files = await asyncio.to_thread(training.save_sharded, run_id, holder, version)
+    manifest = checkpoint_manifest(files, version=version, step=step, used=used, world_size=training.ctx.world_size)
+    key = f"runs/{run_id}/trainer/ckpt-v{version:08d}-{holder}/manifest.json"
+    ref = await asyncio.to_thread(blobs.put_bytes, manifest, key)
+    await event_log.append(
+        TrainerCheckpoint(
+            run_id=run_id,
+            version=version,
+            step=step,
+            uri=ref.uri,
+            sha256=ref.checksum,
+            bytes=ref.bytes,
+            trajectory_position=positions[0],
+            reward_position=positions[1],
+        )
+    )
+    log.info("checkpointed", version=version, bytes=sum(f["bytes"] for f in files), ranks=training.ctx.world_size)
+
+
+async def restore_any_checkpoint(blobs: BlobStore, ckpt: TrainerCheckpoint, training) -> RestoredState:
+    """Restore a checkpoint written by one process (`save_checkpoint`) or by several ranks (a manifest of
+    torch.distributed.checkpoint files). Weights move between the two only through the chain: a
+    single process cannot load a sharded one, nor ranks a single one (CheckpointFormatMismatch)."""
+    from workers.trainer.ranks import SHARDED_CHECKPOINT_FORMAT, CheckpointFormatMismatch
+
+    data = await asyncio.to_thread(blobs.get_bytes, ckpt.uri, expected=ckpt.sha256)
+    sharded = data[:1] == b"{"
+    manifest = json.loads(data) if sharded else None
+    if sharded and (not isinstance(manifest, dict) or manifest.get("format") != SHARDED_CHECKPOINT_FORMAT):
+        raise CheckpointFormatMismatch(
+            f"checkpoint of version {ckpt.version} is JSON but not a {SHARDED_CHECKPOINT_FORMAT} manifest",
+            hint="the blob was not written by a sprawl trainer",
+        )
+    if sharded != training.ctx.distributed:
+        written = f"{manifest['world_size']} ranks" if manifest else "one process"
+        raise CheckpointFormatMismatch(
+            f"checkpoint of version {ckpt.version} was written by {written}; this trainer has"
+            f" {training.ctx.world_size} rank(s)",
+            hint="restart with trainer.ranks > 1 for a sharded checkpoint (any number of ranks reshards it),"
+            " or with one rank for a single-process one",
+        )
+    if not sharded:
+        return await restore_checkpoint(blobs, ckpt, training.model, training.optimizer)
+    assert manifest is not None
+    await asyncio.to_thread(training.restore_sharded, manifest["files"])
+    log.info("restored checkpoint", version=manifest["version"], step=manifest["step"], ranks=manifest["world_size"])
+    return RestoredState(
+        version=manifest["version"],
+        step=manifest["step"],
+        used=set(manifest["used"]),
         trajectory_position=ckpt.trajectory_position,
         reward_position=ckpt.reward_position,
     )

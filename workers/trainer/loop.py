@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import socket
 import time
@@ -36,7 +37,6 @@ from pipeline.eventlog import EventLog
 from pipeline.lease import RunLease
 from pipeline.log_lookup import count_subjects
 from pipeline.logs import get_logger
-from pipeline.model_construction import MODEL_CONSTRUCTION
 from pipeline.replay import Follower
 from pipeline.topology import (
     REWARDS,
@@ -53,12 +53,26 @@ from pipeline.version_signing import trainer_signing_key, verify_version
 from schemas import GroupDropped, Reward, TrainerMetrics, Trajectory
 from workers.lifecycle import end_guards, run_connected, run_guarded
 from workers.trainer.admission import refusal, refused_trajectory
-from workers.trainer.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
+from workers.trainer.checkpoint import (
+    latest_checkpoint,
+    restore_any_checkpoint,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
+from workers.trainer.distributed import RankContext, init_ranks, launched_by_torchrun, rank_device
 from workers.trainer.drift_guard import DriftChange, DriftGuard
 from workers.trainer.publishing import BackgroundPublisher, Pending
-from workers.trainer.recovery import batch_from_lineage, check_rederived, put_lineage, read_lineage, root_hashes
+from workers.trainer.ranks import (
+    RankPublisher,
+    RankTraining,
+    extra_files,
+    follow_leader,
+    source_shapes,
+    start_followers,
+)
+from workers.trainer.recovery import batch_from_lineage, check_rederived, put_lineage, read_lineage
 from workers.trainer.settings import TrainerSettings
-from workers.trainer.update import UpdateMetrics, run_update
+from workers.trainer.update import UpdateMetrics
 
 log = get_logger(__name__)
 
@@ -83,7 +97,12 @@ class ChainBehindCheckpoint(SprawlError):
 
 
 class Trainer:
-    def __init__(self, settings: TrainerSettings, event_log: EventLog, blobs: BlobStore):
+    def __init__(
+        self, settings: TrainerSettings, event_log: EventLog, blobs: BlobStore, ctx: RankContext | None = None
+    ):
+        """`ctx`: this process's place among the trainer's ranks (rank 0 of several: the others follow
+        its commands, `ranks.py`); None is the single-process trainer."""
+        self.ctx = ctx or RankContext()
         self.settings = settings
         self.cfg = settings.trainer
         self.log = event_log
@@ -111,9 +130,11 @@ class Trainer:
         self.published: list[int] = []
         self.feeds: dict[str, Follower] = {}
         """The live feeds by stream name (their positions, outages and re-creations)."""
+        self.training: RankTraining | None = None
         self.model = None
         self.optimizer = None
-        self.publisher: ChainPublisher | None = None
+        self.chain: ChainPublisher | None = None
+        self.publisher: ChainPublisher | RankPublisher | None = None
         self.guard = DriftGuard(self.cfg.drift)
         """Per-island KL against the fleet's; with `drift.quarantine`, whose trajectories leave the loss."""
         self.background: BackgroundPublisher[_VersionJob] = BackgroundPublisher(
@@ -122,42 +143,28 @@ class Trainer:
 
     # ---------------------------------------------------------------- setup
 
-    def _determinism(self) -> None:
-        torch.use_deterministic_algorithms(True)
-        torch.set_num_threads(self.cfg.threads)
-        random.seed(self.cfg.seed)
-        np.random.seed(self.cfg.seed)
-        torch.manual_seed(self.cfg.seed)
-
     def _load_model(self) -> None:
-        from transformers import AutoModelForCausalLM
-
-        with MODEL_CONSTRUCTION:  # transformers switches torch's process-wide default dtype meanwhile
-            self.model = AutoModelForCausalLM.from_pretrained(self.cfg.model_dir, dtype=torch.float32)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay
-        )
-        extra = {
-            p.name: p.read_bytes()
-            for p in self.cfg.model_dir.iterdir()
-            if p.name.startswith(("tokenizer", "generation_config", "special_tokens")) and p.is_file()
-        }
-        self.publisher = ChainPublisher(
+        self.training = RankTraining(self.settings, self.ctx, self.blobs)
+        self.model, self.optimizer = self.training.model, self.training.optimizer
+        self.chain = ChainPublisher(
             self.log,
             self.blobs,
             run_id=self.run_id,
             model_config=self.model.config.to_dict(),
             settings=self.settings.chain,
-            extra_files=extra,
+            extra_files=extra_files(self.cfg.model_dir),
             signing_key=self.signing_key,
+            source_shapes=source_shapes(self.model),
         )
+        self.training.plan_owners(self.chain)
+        self.publisher = RankPublisher(self.chain, self.ctx) if self.ctx.distributed else self.chain
 
     async def _restore_latest(self) -> None:
         ckpt = await latest_checkpoint(self.log, self.run_id)
         if ckpt is None:
             return
-        assert self.model is not None and self.optimizer is not None
-        state = await restore_checkpoint(self.blobs, ckpt, self.model, self.optimizer)
+        assert self.training is not None
+        state = await restore_any_checkpoint(self.blobs, ckpt, self.training)
         self.version, self.step = state.version, state.step
         self.assembler.used = state.used
         self.next_traj_seq, self.next_reward_seq = state.trajectory_position, state.reward_position
@@ -169,6 +176,20 @@ class Trainer:
                 f"checkpoint of version {self.version} while the chain's head is {self.publisher.head}",
                 hint="a restarted trainer would resume ahead of the chain: drain the publisher first",
             )
+        positions = self.assembler.positions(self.next_traj_seq, self.next_reward_seq)
+        if self.ctx.distributed:
+            await save_sharded_checkpoint(
+                self.log,
+                self.blobs,
+                self.training,
+                run_id=self.run_id,
+                holder=self.holder,
+                version=self.version,
+                step=self.step,
+                used=self.assembler.used,
+                positions=positions,
+            )
+            return
         await save_checkpoint(
             self.log,
             self.blobs,
@@ -179,7 +200,7 @@ class Trainer:
             version=self.version,
             step=self.step,
             used=self.assembler.used,
-            positions=self.assembler.positions(self.next_traj_seq, self.next_reward_seq),
+            positions=positions,
         )
 
     async def _catch_up(self, head: int) -> None:
@@ -195,7 +216,10 @@ class Trainer:
             for item in batch:
                 self.assembler.used.update(t.trajectory_id for t in item.trajectories)
             metrics = await asyncio.to_thread(self._update, batch, version - 1, quarantined)
-            check_rederived(event, root_hashes(self.model, self.settings.chain.views))
+            assert self.training is not None
+            hashes = await asyncio.to_thread(self.training.root_hashes)
+            assert hashes is not None  # rank 0
+            check_rederived(event, hashes)
             self.version = version
             # The guard's windows refill from the re-derived updates; what it had flagged going into each
             # is what the lineage says was quarantined (its events were appended when the version was made).
@@ -208,8 +232,9 @@ class Trainer:
     def _update(
         self, batch: list[GroupBatchItem], trainer_version: int, quarantined: frozenset[str] = frozenset()
     ) -> UpdateMetrics:
-        assert self.model is not None and self.optimizer is not None
-        metrics = run_update(self.model, self.optimizer, batch, self.cfg, trainer_version, quarantined)
+        assert self.training is not None
+        metrics = self.training.update(batch, trainer_version, quarantined)
+        assert metrics is not None  # rank 0 gets them
         self.step += 1
         return metrics
 
@@ -268,8 +293,9 @@ class Trainer:
 
     async def _publish_initial(self) -> None:
         """Version 0, the initial weights: published before any update, so nothing to overlap."""
-        assert self.publisher is not None and self.model is not None
-        await self.publisher.publish(0, self.model.state_dict(), trainer_step=self.step)
+        assert self.publisher is not None and self.training is not None
+        weights = await asyncio.to_thread(self.training.capture)
+        await self.publisher.publish(0, weights, trainer_step=self.step)
         self.version = 0
         self.published.append(0)
 
@@ -362,7 +388,7 @@ class Trainer:
     async def run(self, stop: asyncio.Event) -> None:
         """Train until `stop` (or `max_versions`). The lease and both feeds are guards: if one of them
         ends, the trainer stops at once with WorkerPartFailed naming it, never alive and idle."""
-        self._determinism()
+        determinism(self.cfg)
         await self.lease.take()
         guards = [asyncio.create_task(self.lease.keep(), name="the trainer's lease")]
         feeds_stop = asyncio.Event()
@@ -380,6 +406,8 @@ class Trainer:
                 ),
             ]
             await run_guarded(self._train(stop), guards)
+            if self.training is not None:
+                await asyncio.to_thread(self.training.stop)  # the other ranks return (after their publishing)
         finally:
             feeds_stop.set()  # the feeds end on this even if a cancellation is lost inside a fetch
             await end_guards(guards)
@@ -389,8 +417,9 @@ class Trainer:
     async def _prepare(self) -> None:
         """The model, the chain's head, the newest checkpoint; version 0 or the re-derived versions."""
         await asyncio.to_thread(self._load_model)
-        assert self.publisher is not None
+        assert self.publisher is not None and self.chain is not None
         head = await self.publisher.open()
+        start_followers(self.chain, self.ctx)
         await self._restore_latest()
         if head is None:
             await self._publish_initial()
@@ -421,17 +450,43 @@ class Trainer:
                 batch, self.step, metrics.overall, metrics.per_group, metrics.per_island, quarantined, changes
             )
             # The next update may start once the weights are captured; the version is published beside it.
-            await self.background.submit(self.version, self.model.state_dict(), job)
+            await self.background.submit(self.version, await asyncio.to_thread(self.training.capture), job)
             if self.version % self.cfg.checkpoint_every == 0:
                 await self.background.drain(self.version)  # recovery needs checkpoint <= chain head
                 await self._checkpoint()
         await self.background.drain()  # every version computed is published before the trainer returns
 
 
+def determinism(cfg) -> None:
+    """Every RNG seeded, deterministic kernels where the backend has them, fixed thread count."""
+    if cfg.device == "cuda":
+        # cuBLAS is deterministic only with a fixed workspace, read when CUDA initializes.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cuda.matmul.allow_tf32 = False
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(cfg.threads)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+
 async def run_trainer(settings: TrainerSettings) -> None:
+    """The trainer process: one rank, or (launched by torchrun) one of several, rank 0 being the one
+    connected to the log."""
     warm_in_background()  # its first patch is encoded after version 0
+    ctx = RankContext()
+    if launched_by_torchrun():
+        ctx = init_ranks(settings.trainer.device, settings.trainer.collective_timeout_s)
+        if not ctx.is_leader:
+            determinism(settings.trainer)
+            await asyncio.to_thread(follow_leader, settings, ctx, open_blob_store(settings.blobs))
+            return
+    elif settings.trainer.device == "cuda":
+        ctx = RankContext(device=rank_device("cuda", 0))
 
     async def body(event_log: EventLog, stop: asyncio.Event) -> None:
-        await Trainer(settings, event_log, open_blob_store(settings.blobs)).run(stop)
+        await Trainer(settings, event_log, open_blob_store(settings.blobs), ctx).run(stop)
 
     await run_connected(settings, "trainer", body)

@@ -6,6 +6,7 @@ No torch here: `sprawl trainer` validates these before it loads a model.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -117,6 +118,25 @@ class TrainerSection(Section):
     """Seed of every RNG (runs are deterministic on CPU)."""
     threads: int = Field(1, ge=1)
     """torch threads; fixed so that results are bitwise reproducible."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the update runs. `cuda` needs a CUDA build of torch; each rank takes the GPU of its local
+    rank. Views are always computed from CPU copies, so what is published does not depend on it."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """`bf16`: the forward and backward run under bf16 autocast; master weights, gradients and the
+    optimizer state stay fp32 (what is published is cast from the fp32 masters, as with `fp32`)."""
+    ranks: int = Field(1, ge=1)
+    """Processes to train with (FSDP2 over torch.distributed): `sprawl trainer` launches them on this
+    host with torchrun. Across hosts, run `torchrun ... -m workers.cli trainer` yourself (README)."""
+    micro_batches: int | None = Field(None, ge=1)
+    """Slices each update's batch is cut into (whole groups each); every rank computes its share one
+    after another, accumulating gradients. None: one per rank. A run with one rank and 2 slices computes
+    the same bits as two ranks with one slice each (CPU): the sum of two gradients is order-free."""
+    max_restarts: int = Field(3, ge=0)
+    """With several ranks: times torchrun restarts all of them after one fails or is killed (each
+    restart recovers from the newest checkpoint and the lineage, as a single trainer does)."""
+    collective_timeout_s: float = Field(600.0, gt=0)
+    """A rank waiting this long in a collective for another rank fails (and the job restarts); a killed
+    rank's peers usually fail at once, on the closed connection."""
     lease_ttl_s: float = Field(150.0, ge=4)
     """A lease not renewed for this long may be taken over by another trainer (the same `trainer_id`
     takes it back at once). Renewed every quarter of it; a trainer that cannot renew stops itself a
@@ -125,6 +145,22 @@ class TrainerSection(Section):
     """The corrected surrogate."""
     drift: DriftSection = DriftSection()
     """The per-island drift guard."""
+
+    @model_validator(mode="after")
+    def _slices_fit(self) -> TrainerSection:
+        if self.micro_batches is not None:
+            if self.micro_batches % self.ranks:
+                raise ValueError(f"micro_batches ({self.micro_batches}) must be a multiple of ranks ({self.ranks})")
+            if self.micro_batches > self.groups_per_batch:
+                raise ValueError(
+                    f"micro_batches ({self.micro_batches}) exceeds groups_per_batch ({self.groups_per_batch}):"
+                    " a slice holds whole groups"
+                )
+        elif self.ranks > self.groups_per_batch:
+            raise ValueError(
+                f"ranks ({self.ranks}) exceeds groups_per_batch ({self.groups_per_batch}): a rank needs a group"
+            )
+        return self
 
 
 class TrainerSettings(SprawlSettings):

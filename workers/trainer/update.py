@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from pipeline.batching import GroupBatchItem
 from pipeline.off_policy import grpo_advantages, policy_loss
 from pipeline.routing_replay import replay_routing
 from schemas import Trajectory
+from workers.trainer.distributed import RankContext, RanksMisconfigured, clip_gradients
 from workers.trainer.settings import TrainerSection
 
 STALENESS_BUCKETS = {
@@ -55,6 +57,14 @@ class BatchTensors:
     staleness: torch.Tensor
     routed: torch.Tensor | None
     routed_valid: torch.Tensor | None
+
+    def to(self, device: torch.device) -> BatchTensors:
+        """The same tensors on `device` (itself on CPU)."""
+        if device.type == "cpu":
+            return self
+        return BatchTensors(
+            *(None if t is None else t.to(device) for t in (getattr(self, f) for f in self.__dataclass_fields__))
+        )
 
 
 def token_staleness(trajectory: Trajectory, trainer_version: int) -> list[int]:
@@ -162,6 +172,24 @@ def quarantine_rows(trajectories: list[Trajectory], quarantined: frozenset[str])
     return [i for i, t in enumerate(trajectories) if t.island.island_id in quarantined]
 
 
+@dataclass
+class SliceResult:
+    """One slice's per-token quantities for the metrics (CPU tensors, rows in batch order)."""
+
+    rows: list[int]
+    measured: _Measured
+    loss_mask: torch.Tensor
+    measured_mask: torch.Tensor
+    staleness: torch.Tensor
+    loss: float
+
+
+def slice_bounds(groups: int, slices: int) -> list[tuple[int, int]]:
+    """`slices` contiguous runs of the batch's groups, as even as they can be (a group is never cut:
+    GRPO's advantages are per group, and a slice is what one rank computes)."""
+    return [(groups * i // slices, groups * (i + 1) // slices) for i in range(slices)]
+
+
 def run_update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -169,69 +197,155 @@ def run_update(
     cfg: TrainerSection,
     trainer_version: int,
     quarantined: frozenset[str] = frozenset(),
-) -> UpdateMetrics:
+    ctx: RankContext | None = None,
+) -> UpdateMetrics | None:
     """Forward, corrected loss, backward, step, as `cfg` says (its loss, GRPO normalization, gradient
-    clipping, routing replay and staleness bound). Returns overall, per-group and per-island metrics.
+    clipping, routing replay, staleness bound, precision and slices). Returns overall, per-group and
+    per-island metrics (on the leading rank; None on the others).
+
+    The batch is cut into slices (`cfg.micro_batches`, one per rank by default); each rank computes the
+    gradients of its own slices one after another, and they are summed. The loss of every slice is
+    divided by the whole batch's normalizer, so the sum is the gradient of the batch's loss, and the
+    same slices give the same bits on one rank or several (`distributed.py`).
 
     `quarantined`: islands the drift guard excluded. Their rows' loss mask is zeroed, so they add nothing
     to the gradient (nor to the loss's token count); their sampler-trainer KL is still measured (a
     no-grad pass of the same loss over just those rows) so the guard can see them recover. The set is
     an input like the batch: recovery replays a version with the set its lineage recorded."""
+    ctx = ctx or RankContext()
     started = time.perf_counter()
     trajectories = [t for item in batch for t in item.trajectories]
     rewards = torch.tensor([[r.value for r in item.rewards] for item in batch], dtype=torch.float32)
     advantages = grpo_advantages(rewards, normalize_std=cfg.normalize_std).reshape(-1)
     vocab = model.config.vocab_size
-    bt = build_tensors(trajectories, vocab, trainer_version, cfg.max_staleness, cfg.train_temperature)
-    measured_mask = bt.loss_mask
-    excluded = quarantine_rows(trajectories, quarantined)
-    if excluded:
-        bt.loss_mask = measured_mask.clone()
-        bt.loss_mask[excluded] = False
-    model.train()
-    if cfg.routing_replay and bt.routed is not None and bt.routed_valid is not None:
-        with replay_routing(model, bt.routed, bt.routed_valid):
-            logits = model(input_ids=bt.input_ids, attention_mask=bt.attention_mask).logits
+    slices = slice_count(cfg, ctx)
+    # Every rank builds every slice's tensors (cheap next to a forward pass): the normalizer and "is
+    # there any token to learn from" then need no communication, and every rank agrees on them.
+    planned = []
+    first_row = 0
+    excluded_all = quarantine_rows(trajectories, quarantined)
+    for lo, hi in slice_bounds(len(batch), slices):
+        rows = list(range(first_row, first_row + sum(len(item.trajectories) for item in batch[lo:hi])))
+        first_row = rows[-1] + 1 if rows else first_row
+        bt = build_tensors(
+            [trajectories[i] for i in rows], vocab, trainer_version, cfg.max_staleness, cfg.train_temperature
+        )
+        measured_mask = bt.loss_mask
+        excluded = [rows.index(i) for i in excluded_all if i in rows]
+        if excluded:
+            bt.loss_mask = measured_mask.clone()
+            bt.loss_mask[excluded] = False
+        planned.append((rows, bt, measured_mask, excluded))
+    if cfg.loss.length_normalization:
+        normalizer = float(max(sum(int((bt.loss_mask.sum(-1) > 0).sum()) for _, bt, _, _ in planned), 1))
     else:
-        logits = model(input_ids=bt.input_ids, attention_mask=bt.attention_mask).logits
-    out_logits = logits.gather(1, bt.positions[..., None].expand(-1, -1, logits.shape[-1]))
-    out_logits = out_logits.float() / bt.temperature[:, None, None]
-    result = policy_loss(
-        out_logits,
-        bt.targets,
-        advantages,
-        bt.loss_mask,
-        bt.sampler_logp,
-        cfg.loss,
-        temperature=1.0,
-        kept=bt.kept,
-        top_ids=bt.top_ids,
-        top_logp=bt.top_logp,
-        top_valid=bt.top_valid,
-    )
-    measured = _measure_excluded(result, out_logits, advantages, bt, measured_mask, excluded, cfg)
+        normalizer = float(max(sum(int(bt.loss_mask.sum()) for _, bt, _, _ in planned), 1))
+    learns = any(bool(bt.loss_mask.any()) for _, bt, _, _ in planned) or not excluded_all
+
+    model.train()
     optimizer.zero_grad(set_to_none=True)
-    if excluded and not bool(bt.loss_mask.any()):
+    per_rank = slices // ctx.world_size
+    results = []
+    for index in range(ctx.rank * per_rank, (ctx.rank + 1) * per_rank):
+        rows, bt, measured_mask, excluded = planned[index]
+        results.append(
+            _slice_forward_backward(
+                model, bt, advantages[rows], measured_mask, excluded, rows, cfg, normalizer, learns, ctx
+            )
+        )
+    if not learns:
         # Quarantine left no token in the loss: no step at all. A step on zero gradients still moves
         # every weight (Adam's momentum from earlier updates, weight decay), so the version would change
         # without anything having been learned from this batch. Without gradients the optimizer skips
         # every parameter (its state, step counts included, stays as it was).
         grad_norm = 0.0
     else:
-        result.loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        grad_norm = clip_gradients(list(model.parameters()), cfg.max_grad_norm, ctx)
         optimizer.step()
+    if ctx.distributed:
+        gathered: list[list[SliceResult]] | None = [[] for _ in range(ctx.world_size)] if ctx.is_leader else None
+        dist.gather_object(results, gathered, dst=0)
+        if not ctx.is_leader:
+            return None
+        assert gathered is not None
+        results = [r for rank_results in gathered for r in rank_results]
     elapsed = time.perf_counter() - started
+    return _update_metrics(batch, trajectories, rewards, results, excluded_all, grad_norm, elapsed)
 
+
+def slice_count(cfg: TrainerSection, ctx: RankContext) -> int:
+    slices = cfg.micro_batches or ctx.world_size
+    if slices % ctx.world_size:
+        raise RanksMisconfigured(
+            f"trainer.micro_batches = {slices} cannot be split over {ctx.world_size} ranks",
+            hint="make micro_batches a multiple of the number of ranks (or leave it unset: one per rank)",
+        )
+    return slices
+
+
+def _slice_forward_backward(
+    model, bt: BatchTensors, advantages, measured_mask, excluded, rows, cfg: TrainerSection, normalizer, learns, ctx
+) -> SliceResult:
+    device = ctx.device
+    on = bt.to(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+    with autocast:
+        if cfg.routing_replay and on.routed is not None and on.routed_valid is not None:
+            with replay_routing(model, on.routed, on.routed_valid):
+                logits = model(input_ids=on.input_ids, attention_mask=on.attention_mask).logits
+        else:
+            logits = model(input_ids=on.input_ids, attention_mask=on.attention_mask).logits
+    out_logits = logits.gather(1, on.positions[..., None].expand(-1, -1, logits.shape[-1]))
+    out_logits = out_logits.float() / on.temperature[:, None, None]
+    advantages = advantages.to(device)
+    result = policy_loss(
+        out_logits,
+        on.targets,
+        advantages,
+        on.loss_mask,
+        on.sampler_logp,
+        cfg.loss,
+        temperature=1.0,
+        kept=on.kept,
+        top_ids=on.top_ids,
+        top_logp=on.top_logp,
+        top_valid=on.top_valid,
+        normalizer=normalizer,
+    )
+    measured = _measure_excluded(result, out_logits, advantages, on, measured_mask.to(device), excluded, cfg)
+    if learns:
+        result.loss.backward()
+    return SliceResult(
+        rows=rows,
+        measured=measured.to("cpu"),
+        loss_mask=bt.loss_mask,
+        measured_mask=measured_mask,
+        staleness=bt.staleness,
+        loss=float(result.loss.detach()),
+    )
+
+
+def _update_metrics(
+    batch, trajectories, rewards, results: list[SliceResult], excluded, grad_norm, elapsed
+) -> UpdateMetrics:
+    """The metrics of the whole batch from its slices' per-token quantities (padded to one length)."""
+    width = max(r.loss_mask.shape[1] for r in results)
+
+    def cat(get) -> torch.Tensor:
+        return torch.cat([_pad(get(r), width) for r in results])
+
+    measured = _Measured(*(cat(lambda r, f=f: getattr(r.measured, f)) for f in _Measured.__dataclass_fields__))
+    loss_mask, measured_mask = cat(lambda r: r.loss_mask), cat(lambda r: r.measured_mask)
+    staleness = cat(lambda r: r.staleness)
     flat_rewards = rewards.reshape(-1)
     reward_events = [item_r for item in batch for item_r in item.rewards]
-    overall = _metrics(  # `measured` is `result` on every row the loss used
-        measured, bt.loss_mask, bt.staleness, flat_rewards, reward_events, trajectories, range(len(trajectories))
+    overall = _metrics(  # `measured` is the loss's own on every row the loss used
+        measured, loss_mask, staleness, flat_rewards, reward_events, trajectories, range(len(trajectories))
     )
     overall |= {
-        "loss": float(result.loss.detach()),
+        "loss": sum(r.loss for r in results),
         "grad_norm": grad_norm if math.isfinite(grad_norm) else -1.0,
-        "tokens_per_s": float(bt.loss_mask.sum()) / max(elapsed, 1e-9),
+        "tokens_per_s": float(loss_mask.sum()) / max(elapsed, 1e-9),
         "update_s": elapsed,
         "groups": float(len(batch)),
         "trajectories": float(len(trajectories)),
@@ -243,7 +357,7 @@ def run_update(
         for i, t in enumerate(trajectories):
             rows[key(t)].append(i)
         return {
-            name: _metrics(measured, measured_mask, bt.staleness, flat_rewards, reward_events, trajectories, members)
+            name: _metrics(measured, measured_mask, staleness, flat_rewards, reward_events, trajectories, members)
             for name, members in rows.items()
         }
 
@@ -253,6 +367,12 @@ def run_update(
         per_island[island]["identities"] = float(len(members))
     overall, per_group, per_island = _finite_only(overall, per_group, per_island)
     return UpdateMetrics(overall, per_group, per_island)
+
+
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
 def _identities(trajectories: list[Trajectory]) -> dict[str, set[tuple[str, ...]]]:
@@ -296,6 +416,9 @@ class _Measured:
     masked_low: torch.Tensor
     masked_high: torch.Tensor
     entropy: torch.Tensor
+
+    def to(self, device) -> _Measured:
+        return _Measured(*(getattr(self, f).detach().to(device) for f in self.__dataclass_fields__))
 
 
 def _measure_excluded(result, out_logits, advantages, bt: BatchTensors, measured_mask, excluded, cfg) -> _Measured:

@@ -1,0 +1,229 @@
+"""The trainer's ranks: torch.distributed set-up, FSDP2 sharding, and the two collectives that must
+not depend on the number of ranks (the gradient norm and the publish gather).
+
+A trainer of N ranks is launched by `torchrun` (`sprawl trainer --trainer.ranks N` does it on one
+host). Every rank holds a shard of the master weights and of the optimizer state (FSDP2's
+`fully_shard`, dim-0 shards); each update's batch is cut into slices and every rank computes the
+gradient of its own. What makes N ranks publish the same bits as one process:
+
+- gradients are *summed* across ranks (no FSDP averaging: the loss is already normalized by the
+  whole batch's token count), and a sum of two terms is the same in either order, so two ranks give
+  exactly the gradient that one process accumulating the same two slices gives;
+- the gradient norm for clipping is reduced in a canonical order (one float64 partial per dim-0 row,
+  gathered and summed as one vector) that is the same for every N, where a norm of local norms
+  would differ in the last bits;
+- AdamW is elementwise, so a step on a shard equals the step on the whole tensor, bit for bit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.errors import SprawlError
+from pipeline.logs import get_logger
+
+log = get_logger(__name__)
+
+
+class RanksMisconfigured(SprawlError):
+    """The torchrun environment and the trainer's settings disagree."""
+
+
+@dataclass
+class RankContext:
+    """This process's place among the trainer's ranks. World size 1 is the single-process trainer: no
+    process group, every collective a no-op."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    publish_group: Any = None
+    """A second process group for the publish thread, whose collectives run beside the training's."""
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ)
+
+
+def init_ranks(device: str, timeout_s: float) -> RankContext:
+    """Join the process group torchrun describes (gloo on CPU, NCCL on CUDA)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if world == 1:
+        return RankContext(device=rank_device(device, local))
+    torch_device = rank_device(device, local)
+    backend = "nccl" if torch_device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if torch_device.type == "cuda":
+        torch.cuda.set_device(torch_device)
+    dist.init_process_group(backend, timeout=timeout)
+    # Gloo for the publish thread on every device: it only ships small objects and the parts' gathers,
+    # and a separate group keeps its collectives from interleaving with the training's.
+    publish_group = dist.new_group(backend="gloo", timeout=timeout)
+    log.info("trainer rank joined", rank=rank, world_size=world, backend=backend, device=str(torch_device))
+    return RankContext(rank=rank, world_size=world, device=torch_device, publish_group=publish_group)
+
+
+def rank_device(name: str, local_rank: int) -> torch.device:
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RanksMisconfigured(
+                "trainer.device is cuda but torch sees no CUDA device",
+                hint="install a CUDA build of torch on a GPU machine, or set trainer.device = 'cpu'",
+            )
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def shard_model(model: torch.nn.Module, ctx: RankContext) -> torch.nn.Module:
+    """FSDP2: each decoder layer is one unit (gathered for its forward and backward, then freed), the
+    root holds the rest. Gradients are summed across ranks (see the module docstring)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise RanksMisconfigured(
+            f"{type(model).__name__} has no `model.layers`: cannot shard it per decoder layer",
+            hint="sharded training supports decoder-only causal LMs with the usual transformers layout",
+        )
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # A plain sum: gloo has no pre-multiplied sum, and an average would divide twice.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly FSDP-sharded) tensor; the tensor itself when not sharded."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "to_local")
+
+
+def _row_chunks(rows: int, world: int) -> list[int]:
+    """Rows of each rank's dim-0 shard, as FSDP2 cuts them (torch.chunk: ceil-sized, the last short or
+    empty)."""
+    size = -(-rows // world) if rows else 0
+    out = []
+    left = rows
+    for _ in range(world):
+        take = min(size, left)
+        out.append(take)
+        left -= take
+    return out
+
+
+def gradient_norm(params: list[torch.nn.Parameter], ctx: RankContext) -> torch.Tensor:
+    """The global L2 norm of the gradients, the same float for every number of ranks.
+
+    One float64 sum of squares per dim-0 row (a row is whole on one rank; squares of float32 are exact
+    in float64), gathered into one vector in row order, summed once. Parameters without a gradient
+    count zero."""
+    partials = []
+    for p in params:
+        grad = p.grad
+        if grad is None:
+            rows = _row_chunks(p.shape[0] if p.dim() else 1, ctx.world_size)[ctx.rank]
+            partials.append(torch.zeros(rows, dtype=torch.float64))
+            continue
+        local = local_tensor(grad).detach().to("cpu", torch.float64)
+        local = local.reshape(local.shape[0], -1) if local.dim() > 1 else local.reshape(-1, 1)
+        partials.append((local * local).sum(dim=1))
+    mine = torch.cat(partials) if partials else torch.zeros(0, dtype=torch.float64)
+    if not ctx.distributed:
+        return mine.sum().sqrt()
+    per_rank = [
+        [_row_chunks(p.shape[0] if p.dim() else 1, ctx.world_size)[r] for p in params] for r in range(ctx.world_size)
+    ]
+    longest = max(sum(counts) for counts in per_rank)
+    padded = torch.zeros(longest, dtype=torch.float64)
+    padded[: mine.numel()] = mine
+    gathered = [torch.zeros(longest, dtype=torch.float64) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, padded)  # the training's group: this runs between its collectives
+    pieces = []
+    offsets = [0] * ctx.world_size
+    for i in range(len(params)):
+        for r in range(ctx.world_size):
+            n = per_rank[r][i]
+            pieces.append(gathered[r][offsets[r] : offsets[r] + n])
+            offsets[r] += n
+    return torch.cat(pieces).sum().sqrt()
+
+
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, ctx: RankContext) -> float:
+    """torch's clip_grad_norm_ rule (scale by max_norm / (norm + 1e-6) when above) with the canonical
+    norm; returns the norm before clipping."""
+    total = gradient_norm(params, ctx)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0).to(torch.float32)
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coefficient.to(p.grad.device))
+    return float(total)
+
+
+def gather_owned(
+    named: list[tuple[str, torch.Tensor]], owner_of: dict[str, int], ctx: RankContext
+) -> dict[str, torch.Tensor]:
+    """The full tensors of the parameters this rank owns for publishing, on CPU, fp32 as trained.
+
+    Each rank sends its shard of every parameter to that parameter's owner only (one gather per owning
+    rank, all of its parameters in one flat buffer): a rank receives the parameters it owns and nothing
+    else, so no rank ever holds the whole model."""
+    if not ctx.distributed:
+        return {name: t.detach().to("cpu", copy=True) for name, t in named if owner_of.get(name, 0) == 0}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in named:
+        if owner_of[name] == ctx.rank and not is_sharded(t):
+            out[name] = t.detach().to("cpu", copy=True)  # a buffer: every rank holds all of it
+    for owner in range(ctx.world_size):
+        mine = [(n, t) for n, t in named if owner_of[n] == owner and is_sharded(t)]
+        if not mine:
+            continue
+        # Every rank's piece padded to the ceil-sized chunk, so the buffers have one size.
+        row_numel = [int(t.numel() // t.shape[0]) if t.dim() and t.shape[0] else t.numel() for _, t in mine]
+        chunk_rows = [-(-t.shape[0] // ctx.world_size) if t.dim() else 1 for _, t in mine]
+        sizes = [rows * numel for rows, numel in zip(chunk_rows, row_numel, strict=True)]
+        buffer = torch.zeros(sum(sizes), dtype=torch.float32, device=ctx.device)
+        offset = 0
+        for (_, t), size in zip(mine, sizes, strict=True):
+            piece = local_tensor(t).detach().reshape(-1).to(torch.float32)
+            buffer[offset : offset + piece.numel()] = piece
+            offset += size
+        gathered = [torch.empty_like(buffer) for _ in range(ctx.world_size)] if ctx.rank == owner else None
+        dist.gather(buffer, gathered, dst=owner)
+        if ctx.rank != owner:
+            continue
+        assert gathered is not None
+        offset = 0
+        for (name, t), rows, size in zip(mine, chunk_rows, sizes, strict=True):
+            counts = _row_chunks(t.shape[0], ctx.world_size) if t.dim() else [1] + [0] * (ctx.world_size - 1)
+            per_row = size // rows if rows else 0
+            parts = [gathered[r][offset : offset + counts[r] * per_row] for r in range(ctx.world_size)]
+            out[name] = torch.cat(parts).reshape(t.shape).to("cpu", copy=True)
+            offset += size
+    return out
