@@ -94,7 +94,7 @@ class NoPublishLayout(SprawlError):
 class KeyframeRequired(SprawlError):
     def __init__(self, version: int, view: str, reason: str):
         super().__init__(
-            f"version {version} was to be a patch, but view {view} cannot patch it: {reason}",
+            f"version {version} was to be a patch, but view(s) {view} cannot patch it: {reason}",
             hint="all-reduce needs_keyframe across ranks (any True wins) and pass the agreed answer to every rank",
         )
 
@@ -231,6 +231,8 @@ class ChainPublisher:
         layout = self.layout
         owned = self._served_sources(owned_state_dict)
         layout.check_owned(rank, world_size, {n: tuple(t.shape) for n, t in owned.items()})
+        if not keyframe and self.needs_keyframe(version):  # a patch where one process writes a keyframe
+            raise KeyframeRequired(version, ", ".join(self.settings.views), "this rank's rule says keyframe")
         units = layout.units_of(rank, world_size)
         # Views are independent (own history, own blobs): compute, diff and upload them concurrently.
         views = await asyncio.gather(

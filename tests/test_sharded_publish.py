@@ -165,7 +165,7 @@ async def test_two_ranks_publish_the_chain_one_process_publishes(event_log, sett
 async def test_parts_that_do_not_make_one_version_append_nothing(event_log, settings):
     model = tiny_moe(tie_word_embeddings=True)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    pubs = _ranks(event_log, settings, model, 2)
+    pubs = _ranks(event_log, settings, model, 2, keyframe_every=2)
     try:
         assert "lm_head.weight" not in pubs[0].layout.shapes  # tied: not served, so not planned
         v0_parts, _ = await _publish_sharded(pubs, 0, state)
@@ -192,17 +192,20 @@ async def test_parts_that_do_not_make_one_version_append_nothing(event_log, sett
         # a rank handed the wrong parameters, or asked for a patch it has no base for, refuses
         with pytest.raises(LayoutMismatch, match="not this rank's"):
             await pubs[1].publish_part(1, state, rank=1, world_size=2, keyframe=False)
-        fresh = _ranks(event_log, settings, model, 2)[1]
-        with pytest.raises(KeyframeRequired):
-            owned = {n: state[n] for n in fresh.layout.owned(1, 2)}
-            await fresh.publish_part(1, owned, rank=1, world_size=2, keyframe=False)
-        fresh.close()
+        restarted = _publisher(event_log, settings, model, source_shapes={n: t.shape for n, t in state.items()})
+        with pytest.raises(KeyframeRequired, match="rule says keyframe"):  # no history: it has nothing to patch
+            owned = {n: state[n] for n in restarted.layout.owned(1, 2)}
+            await restarted.publish_part(1, owned, rank=1, world_size=2, keyframe=False)
+        restarted.close()
 
         # the publishers are still usable: the right parts append
         event = await pubs[0].append_parts(1, await _parts(pubs, 1, state))
         pubs[1].advance(1)
         assert [v.kind for v in event.views] == ["patch"] * len(VIEWS) and pubs[1].head == 1
         assert all("lm_head.weight" not in {t.name for t in v.tensors} for v in event.views)
+        with pytest.raises(KeyframeRequired, match="rule says keyframe"):  # every K versions, whatever the history
+            owned = {n: state[n] for n in pubs[1].layout.owned(1, 2)}
+            await pubs[1].publish_part(2, owned, rank=1, world_size=2, keyframe=False)
     finally:
         for pub in pubs:
             pub.close()
