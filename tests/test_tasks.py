@@ -313,6 +313,49 @@ def test_rendering_refuses_what_the_model_cannot_take(tmp_path):
         failing.render("x")
 
 
+def chatml_checkpoint(path: Path, *, weights: bool = True) -> Path:
+    """A checkpoint shaped like a real one, as transformers 5 saves it: a byte-level BPE tokenizer
+    trained here on the math sample, ChatML markers, the chat template in `chat_template.jinja`, and
+    (with `weights`) a tiny dense Qwen3 (the demo's models are MoE)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rows = load_rows(BUILTIN_TASKS["math_word"])
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator([f"{r.prompt} {r.answer}" for r in rows] + ["system user assistant"], trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(path)
+    if weights:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        config = Qwen3Config(
+            vocab_size=bpe.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+            eos_token_id=bpe.token_to_id("<|im_end|>"), pad_token_id=bpe.token_to_id("<|endoftext|>"),
+            bos_token_id=bpe.token_to_id("<|endoftext|>"), tie_word_embeddings=False,
+        )  # fmt: skip
+        Qwen3ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_a_chat_template_saved_beside_the_tokenizer_renders_too(tmp_path):
+    directory = chatml_checkpoint(tmp_path / "m", weights=False)
+    assert (directory / "chat_template.jinja").exists()  # transformers 5 keeps it out of tokenizer_config.json
+    renderer = PromptRenderer(load_tokenizer(directory), "model", system="Answer with a number.")
+    text, ids = renderer.render("Ann has 3 pens and gets 4 more. How many pens now?")
+    assert text.startswith("<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\nAnn has")
+    assert renderer.tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
 def test_a_tokenizer_directory_that_cannot_load_is_refused(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "tokenizer_config.json").write_text("{}")
@@ -607,9 +650,9 @@ def test_up_quick_runs_the_math_task_then_a_model_directory(tmp_path):
         summary = _run_up_with(settings, short, "--quick", "--versions", "2", "--fresh", "--task.name", "math_word")
         assert summary["task"] == "math_word" and summary["versions"] == 2 and summary["rewards"] > 0
         assert summary["dead_letters"] == 0 and summary["interrupted"] is False
-        model = Path(summary["model"])
-        assert json.loads((model / "tokenizer_config.json").read_text())["chat_template"]
-        # The warmed-up directory is a checkpoint like any other: a new run starts from it with --model.
+        assert json.loads((Path(summary["model"]) / "tokenizer_config.json").read_text())["chat_template"]
+        # A checkpoint of another family, tokenizer and template: a dense Qwen3, byte-level BPE, ChatML.
+        model = chatml_checkpoint(tmp_path / "chatml-model")
         again = _run_up_with(
             settings, {}, "--versions", "2", "--fresh", "--task.name", "math_word", "--model", str(model)
         )
