@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import os
 import random
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -480,6 +481,10 @@ async def run_trainer(settings: TrainerSettings) -> None:
     if launched_by_torchrun():
         ctx = init_ranks(settings.trainer.device, settings.trainer.collective_timeout_s)
         if not ctx.is_leader:
+            # Rank 0 decides when the job stops (after publishing every computed version) and tells the
+            # others; torchrun's SIGTERM to every rank would otherwise cut their last parts short.
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, signal.SIG_IGN)
             determinism(settings.trainer)
             await asyncio.to_thread(follow_leader, settings, ctx, open_blob_store(settings.blobs))
             return
