@@ -586,6 +586,16 @@ def test_the_addition_demo_without_a_model_is_unchanged():
     assert content(made) == content(demo)
 
 
+def test_the_addition_demo_on_another_model_keeps_its_raw_format_in_that_models_tokens(tmp_path):
+    directory = tokenizer_dir(tmp_path / "m", chat_template=CHATML)
+    prompts = TaskPrompts(resolve_task("addition"), digits=2, model_dir=directory)
+    made = prompts.group("run-a", 5, n_samples=2, top_p=0.9, top_logprobs=prompts.top_logprobs())
+    a, b = made.prompt.removesuffix("=").split("+")
+    assert made.task == "arith" and made.answer == str(int(a) + int(b)) and made.prompt.endswith("=")
+    assert prompts.renderer.tokenizer.decode(made.prompt_token_ids) == made.prompt  # no chat template: raw
+    assert made.metadata["answer_format"] == r"\d+" and made.sampling.max_new_tokens == 4
+
+
 async def test_sprawl_prompts_publishes_the_math_task_from_its_model_directory(settings, event_log, math_model_dir):
     from pipeline.replay import replay
     from tests.test_prompts_driver import prompts_settings, until_prompts
