@@ -23,8 +23,10 @@ The on-disk names are transformers' own conversion mapping (`transformers/conver
 keep experts fused), so they are the names the family's HF checkpoints, vLLM and SGLang use;
 tests/test_moe_families.py checks them against `save_pretrained` and `from_pretrained`.
 
-Every router above returns `(router_logits, routing_weights, expert_ids)` in transformers 5 (5.17 to
-5.24 at least); a router that returns anything else is refused (`RouterMismatch`), not read.
+Every router above returns `(router_logits, routing_weights, expert_ids)` in the transformers 5
+releases this project supports; a router that returns anything else (DeepSeek-V3's returned bare
+logits in 5.0) is refused (`RouterMismatch`), not read. Replay recomputes the logits from the router's
+input and weights rather than trusting that first element, whose meaning has changed across releases.
 
 Dense models need no entry. An MoE model of no registered family is refused (`UnsupportedMoeFamily`)
 where its routes would be recorded or replayed or its experts laid out on disk, never guessed at: a
@@ -41,6 +43,7 @@ from functools import cached_property
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from pipeline.errors import SprawlError
 
@@ -209,6 +212,18 @@ def sigmoid_then_pick_scaled(router: torch.nn.Module, logits: torch.Tensor, expe
     return picked * _router_attribute(router, "routed_scaling_factor")
 
 
+def linear_logits(router: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Qwen3-MoE, Mixtral, GPT-OSS: the router is a linear layer (GPT-OSS's with a bias) over [tokens, H]."""
+    weight = router.weight
+    return F.linear(hidden.reshape(-1, weight.shape[-1]), weight, getattr(router, "bias", None))
+
+
+def fp32_linear_logits(router: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3: the router's linear layer in fp32, whatever the model's dtype."""
+    weight = router.weight
+    return F.linear(hidden.reshape(-1, weight.shape[-1]).float(), weight.float())
+
+
 # ---------------------------------------------------------------- the families
 
 
@@ -238,6 +253,7 @@ class MoeFamily:
     experts_attribute: str  # config attribute: routed experts per MoE layer
     top_k_attribute: str  # config attribute: experts each token is routed to
     moe_layers: Callable[[Any], list[int]]  # config -> the decoder layers that have a router
+    logits: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]  # (router, its input) -> logits [T, E]
     weights: RoutingWeights
     layout: ExpertLayout
 
@@ -257,11 +273,16 @@ class MoeFamily:
         """The expert ids [tokens, k] a router picked, from its forward output."""
         return router_output(output)[2]
 
-    def forced(self, router: torch.nn.Module, output: Any, experts: torch.Tensor) -> tuple:
-        """The router's output had it picked `experts` [tokens, k]: the weights are recomputed from its own
-        logits at those experts, so gradients still reach the router."""
-        logits, weights, _ = router_output(output)
-        return logits, self.weights(router, logits, experts).to(weights.dtype), experts
+    def forced(self, router: torch.nn.Module, hidden: torch.Tensor, output: Any, experts: torch.Tensor) -> tuple:
+        """The router's output had it picked `experts` [tokens, k] for its input `hidden`: the weights are
+        recomputed from its logits at those experts, so gradients still reach the router.
+
+        The logits are recomputed from the router's input too, not taken from its output: what a router
+        returns first has changed meaning across transformers 5 releases (Qwen3-MoE's returned
+        probabilities in 5.0, logits by 5.17), its weights and its linear layer have not."""
+        first, weights, _ = router_output(output)
+        logits = self.logits(router, hidden)
+        return first, self.weights(router, logits, experts).to(weights.dtype), experts
 
 
 def router_output(output: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -288,6 +309,7 @@ MOE_FAMILIES: dict[str, MoeFamily] = {
             experts_attribute="num_experts",
             top_k_attribute="num_experts_per_tok",
             moe_layers=_qwen3_moe_layers,
+            logits=linear_logits,
             weights=softmax_then_pick,
             layout=SplitExperts(),
         ),
@@ -298,6 +320,7 @@ MOE_FAMILIES: dict[str, MoeFamily] = {
             experts_attribute="num_local_experts",
             top_k_attribute="num_experts_per_tok",
             moe_layers=_every_layer,
+            logits=linear_logits,
             weights=softmax_then_pick_renormalized,
             layout=SplitExperts(disk_block="block_sparse_moe", gate="w1", up="w3", down="w2"),
         ),
@@ -308,6 +331,7 @@ MOE_FAMILIES: dict[str, MoeFamily] = {
             experts_attribute="num_local_experts",
             top_k_attribute="num_experts_per_tok",
             moe_layers=_every_layer,
+            logits=linear_logits,
             weights=pick_then_softmax,
             layout=SameNames(),
         ),
@@ -318,6 +342,7 @@ MOE_FAMILIES: dict[str, MoeFamily] = {
             experts_attribute="n_routed_experts",
             top_k_attribute="num_experts_per_tok",
             moe_layers=_deepseek_v3_layers,
+            logits=fp32_linear_logits,
             weights=sigmoid_then_pick_scaled,
             layout=SplitExperts(),
         ),

@@ -1,9 +1,10 @@
 """MoE routing replay: force a model's routers to pick the experts a sampler recorded.
 
-The experts are replayed; the routing weights are recomputed from the trainer's own router logits at
-those experts, by the model's MoE family's formula (`pipeline.moe_families`: softmax, renormalized or
-not, softmax over the k logits, sigmoid times a scale), so gradients still reach the router. Positions
-without a recorded route (padding, the last token) keep the trainer's own choice.
+The experts are replayed; the routing weights are recomputed at those experts from the trainer's own
+router logits (recomputed from the router's input and weights), by the formula of the model's MoE
+family (`pipeline.moe_families`: softmax, renormalized or not; softmax over the k logits; sigmoid times
+a scale), so gradients still reach the router. Positions without a recorded route (padding, the last
+token) keep the trainer's own choice.
 
 A record this model cannot replay is refused before any forward pass (`RoutingRecordRefused`): a layer
 count or k that is not the model's, an expert id out of range (transformers would drop or clamp it
@@ -72,18 +73,19 @@ def replay_routing(model: torch.nn.Module, routed: torch.Tensor, valid: torch.Te
     flat_valid = valid.reshape(-1).bool()
 
     def make_hook(layer: int):
-        def hook(module, _inputs, output):
+        def hook(module, args, kwargs, output):
             own = family.chosen(output)
             if own.shape[0] != flat.shape[0]:
                 raise RoutingRecordRefused(
                     f"the forward routes {own.shape[0]} tokens, the record covers {flat.shape[0]} positions"
                 )
             forced = torch.where(flat_valid[:, None].to(own.device), flat[:, layer, :].to(own.device), own)
-            return family.forced(module, output, forced)
+            hidden = args[0] if args else kwargs["hidden_states"]
+            return family.forced(module, hidden, output, forced)
 
         return hook
 
-    handles = [router.register_forward_hook(make_hook(i)) for i, router in enumerate(routers)]
+    handles = [router.register_forward_hook(make_hook(i), with_kwargs=True) for i, router in enumerate(routers)]
     try:
         yield
     finally:
