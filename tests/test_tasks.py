@@ -70,7 +70,7 @@ def test_the_command_line_refuses_an_unknown_task_and_a_declared_one_runs(tmp_pa
     from workers.cli import parse
 
     with pytest.raises(TaskError, match="no task named 'mine'"):
-        parse(["up", "--task.name", "mine"])
+        parse(["up", "--task", "mine"])  # the short form of --task.name
     source = write_jsonl(tmp_path / "mine.jsonl", ROWS)
     declared = json.dumps({"mine": {"source": str(source), "verifier": "exact"}})
     settings = parse(["up", "--task.name", "mine", "--tasks", declared]).settings

@@ -555,7 +555,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "trainer": Command("run the trainer", cmd_trainer, "workers.trainer.settings:TrainerSettings"),
     "prompts": Command(
-        "publish the demo task's prompt groups ahead of the trainer",
+        "publish the task's prompt groups ahead of the trainer",
         cmd_prompts,
         "workers.prompts.settings:PromptsSettings",
     ),
@@ -615,9 +615,25 @@ def parser_for(name: str | None) -> tuple[argparse.ArgumentParser, dict[str, Any
     return parser, sources
 
 
+def _task_shorthand(argv: list[str]) -> list[str]:
+    """`sprawl up --task NAME` as `--task.name NAME`. `--task` itself belongs to the `[task]` section
+    (its JSON form, `--task '{...}'`), which keeps that meaning; a value that is not JSON is a name."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--task" and i + 1 < len(argv) and not argv[i + 1].lstrip().startswith("{"):
+            out.append("--task.name")
+        elif arg.startswith("--task=") and not arg.removeprefix("--task=").lstrip().startswith("{"):
+            out.append("--task.name=" + arg.removeprefix("--task="))
+        else:
+            out.append(arg)
+    return out
+
+
 def parse(argv: list[str]) -> Invocation:
     """Parse and validate a command line: the command, its options and its settings."""
     name = argv[0] if argv and argv[0] in COMMANDS else None
+    if name == "up":
+        argv = _task_shorthand(argv)
     parser, sources = parser_for(name)
     try:
         namespace = parser.parse_args(argv)
