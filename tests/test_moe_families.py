@@ -319,3 +319,27 @@ def test_routing_shape_counts_only_the_sparse_layers():
     qwen = tiny_model("qwen3_moe", num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
     assert routing_shape(qwen.config).layers == len(moe_gates(qwen)) == 1  # layer 1 only
     assert json.loads(qwen.config.to_json_string())["model_type"] == "qwen3_moe"
+
+
+async def test_a_dense_model_with_tied_embeddings_is_served_and_an_incomplete_one_refused(tmp_path):
+    """Small dense checkpoints (Qwen3 up to 4B) tie lm_head to the embedding: stored once, loaded once."""
+    from workers.sampler.engines.weights import CheckpointLayoutError
+
+    model = _scrambled(DENSE_TYPE, seed=5)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    served = {n: cast_bf16(t) for n, t in disk_layout(model.state_dict(), tie_word_embeddings=True)}
+    assert "lm_head.weight" not in served
+    write_checkpoint(tmp_path / "v0", served, {**model.config.to_dict(), "dtype": "bfloat16"})
+    engine = ReferenceEngine()
+    await engine.start()
+    await engine.load_weights(tmp_path / "v0", 0)
+    assert engine.model.lm_head.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(engine.model.lm_head.weight, served["model.embed_tokens.weight"])
+    [sample] = await engine.generate(GenerateRequest([1, 2, 3], 1, SamplingParams(max_new_tokens=3), seed=1))
+    assert len(sample.output_token_ids) == 3 and sample.routed_experts is None
+
+    del served["model.norm.weight"]
+    write_checkpoint(tmp_path / "v1", served, {**model.config.to_dict(), "dtype": "bfloat16"})
+    with pytest.raises(CheckpointLayoutError, match=r"missing \['model.norm.weight'\]"):
+        await ReferenceEngine().load_weights(tmp_path / "v1", 0)

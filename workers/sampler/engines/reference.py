@@ -180,9 +180,17 @@ class ReferenceEngine:
             model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
         family, routers = model_routers(model)  # an MoE model whose routes it cannot record is refused first
         try:
-            model.load_state_dict(state, strict=True)
-        except RuntimeError as mismatch:  # missing, unexpected or mis-shaped tensors
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as mismatch:  # mis-shaped tensors
             raise CheckpointLayoutError(f"{path} does not fit its config's model: {mismatch}") from None
+        # A tied lm_head is the embedding under a second name: the checkpoint stores it once.
+        tied = loadable_tensors(model).keys() - loadable_tensors(model, remove_duplicate=True).keys()
+        missing = sorted(set(missing) - tied)
+        if missing or unexpected:
+            raise CheckpointLayoutError(
+                f"{path} does not fit its config's model: missing {missing[:3]} ({len(missing)}), "
+                f"unexpected {sorted(unexpected)[:3]} ({len(unexpected)})"
+            )
         model.to(self.device).eval()
         keyword = cache_keyword(model)
         with self._lock:
