@@ -161,6 +161,11 @@ class ChainPublisher:
         self._opened = True
         return self._head
 
+    def start_at(self, head: int | None) -> None:
+        """A rank that has no connection to the log (every rank but 0): take the head rank 0 read."""
+        self._head, self._head_seq = head, 0
+        self._opened = True
+
     @property
     def head(self) -> int | None:
         return self._head

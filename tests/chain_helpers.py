@@ -66,8 +66,9 @@ def republish_object(blobs: S3BlobStore, uri: str, data: bytes) -> None:
 
 
 def patch_key(target: int, base: int) -> Callable[[str], bool]:
-    """Matches the keys of the patch (or skip patch) base -> target, whatever the view and shard."""
-    return lambda key: f"/v{target:08d}-" in key and f"/patch-from-v{base}/" in key
+    """Matches the keys of the patch (or skip patch) base -> target of the first shard, whatever the view
+    (one corrupted shard is enough to make the whole patch unusable)."""
+    return lambda key: f"/v{target:08d}-" in key and f"/patch-from-v{base}/model-00001-of-" in key
 
 
 class CorruptingBlobStore(S3BlobStore):

@@ -100,7 +100,7 @@ async def test_a_corrupt_keyframe_patch_falls_back_to_the_keyframe(event_log, se
     events = await _publish(pub, state, range(4), torch.Generator().manual_seed(4), roots)
     pub.close()
     [corrupt] = blobs.corrupted
-    assert [b.uri for b in events[3].views[0].skip_patches[0].blobs] == [corrupt]
+    assert corrupt == events[3].views[0].skip_patches[0].blobs[0].uri
     follower = materializer(event_log, settings, tmp_path)
     for v in range(3):
         await follower.materialize(v)
