@@ -15,7 +15,7 @@ from schemas import IslandDrift, IslandIdentity, Reward, SamplingParams, Trainer
 from tests.chain_helpers import signed_trust
 from tests.servers import HANG_GUARD_S
 from tests.trainer_data import publish_groups, write_initial_model
-from workers.trainer.loop import Trainer
+from workers.trainer.loop import Trainer, determinism
 from workers.trainer.recovery import RecoveryMismatch, batch_from_lineage, check_rederived, read_lineage, root_hashes
 from workers.trainer.settings import DriftSection, TrainerSection, TrainerSettings
 
@@ -155,7 +155,7 @@ async def test_a_broken_island_is_quarantined_and_recovery_replays_the_quarantin
 
     # Without the recorded set the replay forks: the lineage field is what keeps recovery exact.
     forgetful = Trainer(_settings(settings, model_dir), event_log, blobs)
-    forgetful._determinism()
+    determinism(forgetful.cfg)
     forgetful._load_model()
     for version in (1, 2):
         event, batch, quarantined = await batch_from_lineage(event_log, blobs, settings.run_id, version)

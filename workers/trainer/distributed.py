@@ -71,7 +71,18 @@ def init_ranks(device: str, timeout_s: float) -> RankContext:
     timeout = datetime.timedelta(seconds=timeout_s)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
-    dist.init_process_group(backend, timeout=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across the restarts of a job, and the process group's keys
+        # (each rank's address) are not per attempt: after a restart a rank would read its peer's address
+        # from the attempt before and fail to connect. One prefix per attempt keeps them apart.
+        agent_store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"sprawl-trainer/attempt-{attempt}", agent_store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     # Gloo for the publish thread on every device: it only ships small objects and the parts' gathers,
     # and a separate group keeps its collectives from interleaving with the training's.
     publish_group = dist.new_group(backend="gloo", timeout=timeout)

@@ -31,14 +31,14 @@ import torch
 import torch.distributed as dist
 
 from pipeline.batching import GroupBatchItem
-from pipeline.bits import checksum, dtype_name, root_hash, to_bits
+from pipeline.bits import root_hash
 from pipeline.blobstore import BlobStore
 from pipeline.chain_publish import ChainPublisher
 from pipeline.errors import SprawlError
 from pipeline.logs import get_logger
 from pipeline.model_construction import MODEL_CONSTRUCTION
-from pipeline.views import get_view
 from workers.trainer.distributed import RankContext, gather_owned, shard_model
+from workers.trainer.recovery import view_digests
 from workers.trainer.settings import TrainerSettings
 from workers.trainer.update import UpdateMetrics, run_update
 
@@ -122,10 +122,7 @@ class RankTraining:
         self._tell("root_hashes")
         owned = self.capture_quietly()
         tie = bool(self.model.config.to_dict().get("tie_word_embeddings", False))
-        digests: dict[str, list[tuple[str, str, tuple[int, ...], str]]] = {}
-        for name in self.settings.chain.views:
-            tensors = get_view(name).compute(owned, tie_word_embeddings=tie)
-            digests[name] = [(n, dtype_name(t.dtype), tuple(t.shape), checksum(to_bits(t))) for n, t in tensors.items()]
+        digests = view_digests(owned, self.settings.chain.views, tie_word_embeddings=tie)
         if self.ctx.distributed:
             gathered: list[Any] | None = [None] * self.ctx.world_size if self.ctx.is_leader else None
             dist.gather_object(digests, gathered, dst=0)

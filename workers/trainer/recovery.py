@@ -9,6 +9,7 @@ silently forked chain.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -101,20 +102,28 @@ async def batch_from_lineage(event_log: EventLog, blobs: BlobStore, run_id: str,
     return RecordedBatch(event, batch, frozenset(lineage.quarantined_islands))
 
 
-def root_hashes(model: torch.nn.Module, views: list[str]) -> dict[str, str]:
-    """Each view's manifest root hash for the model's current weights."""
-    from pipeline.bits import checksum, dtype_name, root_hash, to_bits
+def view_digests(
+    state: Mapping[str, torch.Tensor], views: list[str], *, tie_word_embeddings: bool
+) -> dict[str, list[tuple[str, str, tuple[int, ...], str]]]:
+    """Per view, the manifest digest (name, dtype, shape, xxh3) of every served tensor of `state` (a
+    whole model's, or the share one rank owns: digests of shares merge into the whole's)."""
+    from pipeline.bits import checksum, dtype_name, to_bits
     from pipeline.views import get_view
 
-    tie = bool(model.config.to_dict().get("tie_word_embeddings", False))
-    state = model.state_dict()
     out = {}
     for name in views:
-        tensors = get_view(name).compute(state, tie_word_embeddings=tie)
-        out[name] = root_hash(
-            [(n, dtype_name(t.dtype), tuple(t.shape), checksum(to_bits(t))) for n, t in tensors.items()]
-        )
+        tensors = get_view(name).compute(state, tie_word_embeddings=tie_word_embeddings)
+        out[name] = [(n, dtype_name(t.dtype), tuple(t.shape), checksum(to_bits(t))) for n, t in tensors.items()]
     return out
+
+
+def root_hashes(model: torch.nn.Module, views: list[str]) -> dict[str, str]:
+    """Each view's manifest root hash for the model's current weights (one process)."""
+    from pipeline.bits import root_hash
+
+    tie = bool(model.config.to_dict().get("tie_word_embeddings", False))
+    digests = view_digests(model.state_dict(), views, tie_word_embeddings=tie)
+    return {name: root_hash(sorted(d)) for name, d in digests.items()}
 
 
 def check_rederived(event: PolicyVersion, ours: dict[str, str]) -> None:
