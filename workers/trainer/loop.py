@@ -38,6 +38,7 @@ from pipeline.eventlog import EventLog
 from pipeline.lease import RunLease
 from pipeline.log_lookup import count_subjects
 from pipeline.logs import get_logger
+from pipeline.moe_families import RoutingShape, UnsupportedMoeFamily, routing_shape
 from pipeline.replay import Follower
 from pipeline.topology import (
     REWARDS,
@@ -132,6 +133,7 @@ class Trainer:
         self.feeds: dict[str, Follower] = {}
         """The live feeds by stream name (their positions, outages and re-creations)."""
         self.training: RankTraining | None = None
+        self.routing: RoutingShape | None = None
         self.model = None
         self.optimizer = None
         self.chain: ChainPublisher | None = None
@@ -158,6 +160,15 @@ class Trainer:
             source_shapes=source_shapes(self.model),
         )
         self.training.plan_owners(self.chain)
+        # What a recorded route must look like for this model (its MoE family's layers, k and experts).
+        # An MoE family sprawl does not know cannot have its routes checked or replayed: it starts only
+        # without routing replay, and then refuses trajectories that record routes.
+        try:
+            self.routing = routing_shape(self.model.config)
+        except UnsupportedMoeFamily:
+            if self.cfg.routing_replay:
+                raise
+            self.routing = RoutingShape(0, 0, 0)
         self.publisher = RankPublisher(self.chain, self.ctx) if self.ctx.distributed else self.chain
 
     async def _restore_latest(self) -> None:
@@ -279,8 +290,7 @@ class Trainer:
     async def _admitted(self, item, consumer: str) -> bool:
         """False (and the trajectory dead-lettered, once) when this model cannot index its ids."""
         assert self.model is not None
-        config = self.model.config
-        reason = refusal(item.event, config.vocab_size, getattr(config, "num_experts", None))
+        reason = refusal(item.event, self.model.config.vocab_size, routing=self.routing)
         if reason is None:
             return True
         log.error("trajectory refused", trajectory_id=item.event.trajectory_id, seq=item.stream_seq, reason=reason)
