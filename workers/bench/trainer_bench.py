@@ -81,7 +81,9 @@ def synthetic_batch(model, groups: int, n: int, prompt_len: int, out_len: int) -
             output = torch.randint(0, vocab, (out_len,), generator=gen).tolist()
             top = [torch.randperm(vocab, generator=gen)[:8].tolist() for _ in range(out_len)]
             kept = [sorted(set(ids[:6]) | {tok}) for ids, tok in zip(top, output, strict=True)]
-            routed = torch.randint(0, model.config.num_experts, (prompt_len + out_len - 1, layers, k), generator=gen)
+            # k distinct experts a position, as a router picks them (admission refuses a repeated one).
+            scores = torch.rand((prompt_len + out_len - 1, layers, model.config.num_experts), generator=gen)
+            routed = scores.argsort(dim=-1)[..., :k]
             trajectories.append(
                 Trajectory(
                     run_id="bench",
