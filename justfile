@@ -38,8 +38,13 @@ test-all *ARGS:
 test-faults *ARGS:
     python -m pytest tests/faults -m "not gpu" {{ARGS}}
 
+# the trainer on CUDA (bf16 autocast, fp32 masters) publishing views an island materializes bit-exactly,
+# and recovery re-derived to the logged root hashes; needs a GPU and a CUDA build of torch (< 2 minutes)
+test-gpu *ARGS:
+    python -m pytest -m gpu tests/test_gpu_trainer.py {{ARGS}}
+
 # vLLM and SGLang checks on a GPU machine (starts both engines on a tiny keyframe; < 8 minutes)
-test-gpu:
+test-gpu-engines:
     infra/gpu_check.sh
 
 # the container image, with podman or docker (`--build-arg BASE=localhost/sprawl-base:bookworm` after infra/image/build_base.sh where no registry is reachable)
