@@ -76,6 +76,12 @@ async def save_checkpoint(
     )
     key = f"runs/{run_id}/trainer/ckpt-v{version:08d}-{holder}.pt"
     ref = await asyncio.to_thread(blobs.put_bytes, buffer.getvalue(), key)
+    await _append_checkpoint(event_log, run_id, version, step, ref, positions)
+    log.info("checkpointed", version=version, bytes=ref.bytes)
+
+
+async def _append_checkpoint(event_log: EventLog, run_id: str, version: int, step: int, ref, positions) -> None:
+    """The checkpoint event, after its blob is stored."""
     await event_log.append(
         TrainerCheckpoint(
             run_id=run_id,
@@ -88,7 +94,6 @@ async def save_checkpoint(
             reward_position=positions[1],
         )
     )
-    log.info("checkpointed", version=version, bytes=ref.bytes)
 
 
 async def restore_checkpoint(
@@ -139,18 +144,7 @@ async def save_sharded_checkpoint(
     manifest = checkpoint_manifest(files, version=version, step=step, used=used, world_size=training.ctx.world_size)
     key = f"runs/{run_id}/trainer/ckpt-v{version:08d}-{holder}/manifest.json"
     ref = await asyncio.to_thread(blobs.put_bytes, manifest, key)
-    await event_log.append(
-        TrainerCheckpoint(
-            run_id=run_id,
-            version=version,
-            step=step,
-            uri=ref.uri,
-            sha256=ref.checksum,
-            bytes=ref.bytes,
-            trajectory_position=positions[0],
-            reward_position=positions[1],
-        )
-    )
+    await _append_checkpoint(event_log, run_id, version, step, ref, positions)
     log.info("checkpointed", version=version, bytes=sum(f["bytes"] for f in files), ranks=training.ctx.world_size)
 
 
@@ -179,6 +173,11 @@ async def restore_any_checkpoint(blobs: BlobStore, ckpt: TrainerCheckpoint, trai
     if not sharded:
         return await restore_checkpoint(blobs, ckpt, training.model, training.optimizer)
     assert manifest is not None
+    if manifest.get("version") != ckpt.version:
+        raise CheckpointFormatMismatch(
+            f"the checkpoint event says version {ckpt.version}, its manifest {manifest.get('version')}",
+            hint="the manifest blob was replaced: restore an older checkpoint or start the run anew",
+        )
     await asyncio.to_thread(training.restore_sharded, manifest["files"])
     log.info("restored checkpoint", version=manifest["version"], step=manifest["step"], ranks=manifest["world_size"])
     return RestoredState(
