@@ -345,7 +345,12 @@ class ChainPublisher:
         # A view is a function of each source tensor alone, so computing it per unit gives exactly the
         # served tensors of that unit's file.
         tensors = {
-            u: view.compute({n: owned[n] for n in layout.units[u]}, tie_word_embeddings=self._tied) for u in units
+            u: view.compute(
+                {n: owned[n] for n in layout.units[u]},
+                tie_word_embeddings=self._tied,
+                model_type=self.model_config.get("model_type"),
+            )
+            for u in units
         }
         unit_bits = {
             u: {n: TensorBits(dtype_name(t.dtype), tuple(t.shape), to_bits(t)) for n, t in group.items()}

@@ -5,8 +5,11 @@ same bits on every run and thread count (casts and per-block scales are
 elementwise or order-independent reductions). Samplers never re-quantize:
 they receive exactly these bits through the version chain.
 
-Views always emit the on-disk layout (one tensor per MoE expert), see
-`pipeline.views.layout`.
+Views always emit the on-disk layout of the model's family (one tensor per MoE expert under the
+family's names, or fused where its checkpoints keep them fused), see `pipeline.views.layout`; which
+tensors a quantized view quantizes, and what its config excludes, also follow the family
+(`pipeline.views.linears`). So every caller passes the model's `config.model_type`; `None` is the
+legacy Qwen3-MoE layout (and refuses a GPT-OSS state dict rather than guess).
 
 Adding a format (say group-quantized int4) is one module here holding a `View`
 subclass (and its quantize/dequantize functions) that calls `register_view`,
@@ -27,19 +30,29 @@ class View:
     name: ClassVar[str]
 
     def tensors(
-        self, state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        tie_word_embeddings: bool = False,
+        model_type: str | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The served tensors, on-disk names, served dtypes, contiguous CPU tensors."""
+        """The served tensors of a `model_type` model: on-disk names, served dtypes, contiguous CPU tensors."""
         raise NotImplementedError
 
-    def config_overrides(self) -> dict[str, Any]:
-        """What config.json must say for an engine to load this view as-is."""
+    def config_overrides(self, model_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """What config.json must say for an engine to load this view as-is. With the model's config
+        (config.json's keys), a quantized view names exactly the modules it keeps unquantized; without
+        it, the legacy Qwen3-MoE patterns."""
         return {"torch_dtype": "bfloat16", "dtype": "bfloat16"}
 
     def compute(
-        self, state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        tie_word_embeddings: bool = False,
+        model_type: str | None = None,
     ) -> dict[str, torch.Tensor]:
-        return dict(self.tensors(state_dict, tie_word_embeddings=tie_word_embeddings))
+        return dict(self.tensors(state_dict, tie_word_embeddings=tie_word_embeddings, model_type=model_type))
 
 
 VIEWS: dict[str, View] = {}
@@ -77,6 +90,7 @@ from pipeline.views.fp8_e4m3 import (  # noqa: E402
     quantize_fp8_block,
 )
 from pipeline.views.layout import disk_layout  # noqa: E402
+from pipeline.views.linears import is_quantized_linear, unquantized_modules  # noqa: E402
 from pipeline.views.mxfp4 import MX_BLOCK, MXFP4View, dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 
 __all__ = [
@@ -94,7 +108,9 @@ __all__ = [
     "disk_layout",
     "get_view",
     "is_fp8_linear",
+    "is_quantized_linear",
     "quantize_fp8_block",
     "quantize_mxfp4",
     "register_view",
+    "unquantized_modules",
 ]

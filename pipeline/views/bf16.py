@@ -18,8 +18,8 @@ class BF16View(View):
 
     name = "bf16"
 
-    def tensors(self, state_dict, *, tie_word_embeddings=False):
-        for name, tensor in disk_layout(state_dict, tie_word_embeddings=tie_word_embeddings):
+    def tensors(self, state_dict, *, tie_word_embeddings=False, model_type=None):
+        for name, tensor in disk_layout(state_dict, tie_word_embeddings=tie_word_embeddings, model_type=model_type):
             yield name, cast_bf16(tensor)
 
 

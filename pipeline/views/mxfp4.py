@@ -26,9 +26,19 @@ negative value rounds to -0, code 8). Two cases the spec leaves to us:
   for a case §6.3's algorithm does not spell out; master weights never hold either, this only keeps
   a corrupt master from being served as finite numbers.
 
-What stays bf16: embeddings, lm_head, norms, MoE routers (`mlp.gate.weight`), exactly what the fp8
-view keeps (`is_fp8_linear`), as serving stacks do; and any linear whose input dim is not a multiple
-of 32 (it has no whole blocks; such a layer would also have to be listed in the config's `exclude`).
+What stays bf16: embeddings, lm_head, norms, MoE routers (the family's `disk_router`: `mlp.gate`,
+Mixtral's `block_sparse_moe.gate`, GPT-OSS's `mlp.router`), GPT-OSS's fused 3-D experts, exactly what
+the fp8 view keeps (`pipeline.views.linears`), as serving stacks do; and any linear whose input dim is
+not a multiple of 32 (it has no whole blocks; no registered family has one, and the config's `exclude`
+does not list it). With the model's config (`config_overrides(model_config)`), `exclude` names
+lm_head, every MoE layer's router and GPT-OSS's experts exactly, module by module: vLLM's and
+SGLang's Quark `exclude` matches an entry only by equality or as a `re:` regex, so a glob such as
+`*mlp.gate` (what a caller that gives no config still gets) excludes nothing there.
+
+GPT-OSS's experts stay bf16 because their established 4-bit layout is OpenAI's own MXFP4
+(`gate_up_proj_blocks [E, 2I, H/32, 16]`, `gate_up_proj_scales [E, 2I, H/32]`, quant_method "mxfp4",
+transformers' integrations/mxfp4.py), not Quark's, and the reference engine reads neither it nor
+3-D quantized tensors.
 
 On-disk layout (matched to AMD Quark's MXFP4 export, which vLLM and SGLang load through their
 `quark` quantization method, scheme `QuarkW4A4MXFP4`: `weight` uint8 `[out, in/2]`, `weight_scale`
@@ -51,8 +61,8 @@ import torch
 
 from pipeline.views import View, register_view
 from pipeline.views.bf16 import cast_bf16
-from pipeline.views.fp8_e4m3 import is_fp8_linear
 from pipeline.views.layout import disk_layout
+from pipeline.views.linears import is_quantized_linear, unquantized_modules
 
 MX_BLOCK = 32
 E2M1_EMAX = 2
@@ -60,6 +70,9 @@ E2M1_MAX = 6.0
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 SIGN_BIT = 0x8
+
+LEGACY_EXCLUDE = ["lm_head", "*mlp.gate"]
+"""The exclusion list of a caller that gives no model config: Quark's fnmatch patterns for Qwen3-MoE."""
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 """The magnitude of codes 0..7; code | 8 is the negative."""
@@ -149,29 +162,29 @@ def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (values * e8m0_to_float(scale)[..., None]).view(rows, cols)
 
 
-def is_mxfp4_linear(name: str, tensor: torch.Tensor) -> bool:
+def is_mxfp4_linear(name: str, tensor: torch.Tensor, model_type: str | None = None) -> bool:
     """The fp8 view's linears whose input dim holds whole MX blocks; the rest stays bf16."""
-    return is_fp8_linear(name, tensor) and tensor.shape[-1] % MX_BLOCK == 0
+    return is_quantized_linear(name, tensor, model_type) and tensor.shape[-1] % MX_BLOCK == 0
 
 
 class MXFP4View(View):
     name = "mxfp4"
 
-    def tensors(self, state_dict, *, tie_word_embeddings=False):
-        for name, tensor in disk_layout(state_dict, tie_word_embeddings=tie_word_embeddings):
-            if is_mxfp4_linear(name, tensor):
+    def tensors(self, state_dict, *, tie_word_embeddings=False, model_type=None):
+        for name, tensor in disk_layout(state_dict, tie_word_embeddings=tie_word_embeddings, model_type=model_type):
+            if is_mxfp4_linear(name, tensor, model_type):
                 packed, scale = quantize_mxfp4(tensor)
                 yield name, packed
                 yield name.removesuffix("weight") + "weight_scale", scale
             else:
                 yield name, cast_bf16(tensor)
 
-    def config_overrides(self):
+    def config_overrides(self, model_config=None):
         # Quark's config as vLLM/SGLang's QuarkConfig._is_mx_fp4 reads it: fp4 weights, per_group 32,
         # e8m0 scales, static; activations fp4 dynamic per_group 32 (the W4A4 scheme they implement).
         group = {"dtype": "fp4", "qscheme": "per_group", "group_size": MX_BLOCK, "ch_axis": -1, "scale_format": "e8m0"}
         return {
-            **super().config_overrides(),
+            **super().config_overrides(model_config),
             "quantization_config": {
                 "quant_method": "quark",
                 "global_quant_config": {
@@ -182,7 +195,7 @@ class MXFP4View(View):
                 },
                 "layer_quant_config": {},
                 "layer_type_quant_config": {},
-                "exclude": ["lm_head", "*mlp.gate"],
+                "exclude": LEGACY_EXCLUDE if model_config is None else unquantized_modules(model_config),
                 "export": {"pack_method": "reorder", "weight_format": "real_quantized"},
             },
         }

@@ -289,7 +289,9 @@ def adam_transitions(lr: float, quick: bool, steps: int = 4, seed: int = 0) -> t
     for _ in range(steps + 1):
         with torch.no_grad():
             state = model.state_dict()
-            snapshots.append({name: get_view(name).compute(state) for name in ("bf16", "fp8_e4m3")})
+            snapshots.append(
+                {name: get_view(name).compute(state, model_type=config.model_type) for name in ("bf16", "fp8_e4m3")}
+            )
         batch = torch.randint(0, config.vocab_size, (4, 64), generator=gen)
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()

@@ -103,16 +103,22 @@ async def batch_from_lineage(event_log: EventLog, blobs: BlobStore, run_id: str,
 
 
 def view_digests(
-    state: Mapping[str, torch.Tensor], views: list[str], *, tie_word_embeddings: bool
+    state: Mapping[str, torch.Tensor],
+    views: list[str],
+    *,
+    tie_word_embeddings: bool,
+    model_type: str | None = None,
 ) -> dict[str, list[tuple[str, str, tuple[int, ...], str]]]:
     """Per view, the manifest digest (name, dtype, shape, xxh3) of every served tensor of `state` (a
-    whole model's, or the share one rank owns: digests of shares merge into the whole's)."""
+    whole model's, or the share one rank owns: digests of shares merge into the whole's). `model_type`
+    is the model's `config.model_type`: the served names and quantized tensors follow its family, as
+    the publisher's do (None: the legacy Qwen3-MoE layout)."""
     from pipeline.bits import checksum, dtype_name, to_bits
     from pipeline.views import get_view
 
     out = {}
     for name in views:
-        tensors = get_view(name).compute(state, tie_word_embeddings=tie_word_embeddings)
+        tensors = get_view(name).compute(state, tie_word_embeddings=tie_word_embeddings, model_type=model_type)
         out[name] = [(n, dtype_name(t.dtype), tuple(t.shape), checksum(to_bits(t))) for n, t in tensors.items()]
     return out
 
@@ -122,7 +128,7 @@ def root_hashes(model: torch.nn.Module, views: list[str]) -> dict[str, str]:
     from pipeline.bits import root_hash
 
     tie = bool(model.config.to_dict().get("tie_word_embeddings", False))
-    digests = view_digests(model.state_dict(), views, tie_word_embeddings=tie)
+    digests = view_digests(model.state_dict(), views, tie_word_embeddings=tie, model_type=model.config.model_type)
     return {name: root_hash(sorted(d)) for name, d in digests.items()}
 
 

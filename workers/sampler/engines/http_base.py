@@ -33,6 +33,10 @@ def finish_reason(value: Any) -> str:
     return {"stop": "stop", "length": "length", "abort": "abort"}.get(str(kind), "stop")
 
 
+LEGACY_MODEL_TYPE = "qwen3_moe"
+"""What a config.json without `model_type` is read as: the only model before MoE families."""
+
+
 class EngineUnreachable(EngineUnavailable):
     """No HTTP answer at all (connection refused, reset, timed out): nothing is known about what the
     engine did with the request, so it is never taken for a refusal."""
@@ -96,14 +100,29 @@ class HTTPEngine:
         return self._version
 
     def _read_shape(self, path: Path) -> None:
-        config = json.loads((path / "config.json").read_text())
-        layers = int(config.get("num_hidden_layers", 0))
-        sparse_step = int(config.get("decoder_sparse_step", 1) or 1)
-        moe_layers = len([i for i in range(layers) if (i + 1) % sparse_step == 0]) if config.get("num_experts") else 0
-        self._model_shape = (moe_layers, int(config.get("num_experts_per_tok", 0)))
+        """(MoE layers, experts per token) of the version in `path`, as its model's MoE family counts
+        them (`routing_shape`): transformers 5 writes Qwen3-MoE's expert count as `num_local_experts`,
+        DeepSeek-V3's first layers are dense, Qwen3-MoE may skip layers. A config naming no model type
+        is read as the legacy Qwen3-MoE (as `disk_layout(model_type=None)` lays it out); an MoE model
+        of no registered family is refused (UnsupportedMoeFamily), never guessed at."""
+        from pipeline.moe_families import routing_shape  # imports torch: only once a version is loaded
+
+        shape = routing_shape(served_config(path))
+        self._model_shape = (shape.layers, shape.top_k)
 
     async def _probe(self) -> Capabilities:
         raise NotImplementedError
+
+
+def served_config(path: Path) -> Any:
+    """The transformers config of the version in `path` (its quantization config dropped: it is not
+    the model's shape, and transformers would try to set up the quantizer)."""
+    from transformers import AutoConfig
+
+    config = json.loads((path / "config.json").read_text())
+    config.pop("quantization_config", None)
+    model_type = config.pop("model_type", None) or LEGACY_MODEL_TYPE
+    return AutoConfig.for_model(model_type, **config)
 
 
 def one_token_sampling() -> SamplingParams:
