@@ -122,7 +122,9 @@ class RankTraining:
         self._tell("root_hashes")
         owned = self.capture_quietly()
         tie = bool(self.model.config.to_dict().get("tie_word_embeddings", False))
-        digests = view_digests(owned, self.settings.chain.views, tie_word_embeddings=tie)
+        digests = view_digests(
+            owned, self.settings.chain.views, tie_word_embeddings=tie, model_type=self.model.config.model_type
+        )
         if self.ctx.distributed:
             gathered: list[Any] | None = [None] * self.ctx.world_size if self.ctx.is_leader else None
             dist.gather_object(digests, gathered, dst=0)
