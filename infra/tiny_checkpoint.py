@@ -46,8 +46,12 @@ def write_versions(out: Path, view: str = "bf16") -> list[Path]:
         path = out / f"v{version}"
         write_checkpoint(
             path,
-            served.compute(state),
-            {**model.config.to_dict(), **served.config_overrides(), "architectures": ["Qwen3MoeForCausalLM"]},
+            served.compute(state, model_type=model.config.model_type),
+            {
+                **model.config.to_dict(),
+                **served.config_overrides(model.config.to_dict()),
+                "architectures": ["Qwen3MoeForCausalLM"],
+            },
         )
         paths.append(path)
     return paths

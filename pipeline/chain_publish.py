@@ -461,7 +461,7 @@ class ChainPublisher:
                     Path(tmp),
                     weight_map(units, self.layout),
                     sum(u.tensor_bytes for u in units),
-                    {**self.model_config, **view.config_overrides()},
+                    {**self.model_config, **view.config_overrides(self.model_config)},
                     self.extra_files,
                 )
                 prefix = f"runs/{self.run_id}/policy/v{version:08d}-{self.writer_id}/{name}/keyframe"

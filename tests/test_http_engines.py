@@ -165,7 +165,7 @@ def test_vllm_completion_style_logprobs_and_no_spans():
 
 # ---------------------------------------------------------------- fake servers and a small version
 
-MODEL_CONFIG = {"num_hidden_layers": 2, "num_experts": 3, "num_experts_per_tok": 2}
+MODEL_CONFIG = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 3, "num_experts_per_tok": 2}
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
