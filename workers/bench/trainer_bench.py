@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -30,9 +32,11 @@ from pipeline.off_policy import LossSection, apply_spec
 from pipeline.views import get_view
 from schemas import IslandIdentity, Reward, SamplingParams, Trajectory, VersionSpan
 from workers.bench.private_stack import private_stack
+from workers.bench.rank_publish_bench import PublishComparison, apply_streams, compare_publishing, default_arms
+from workers.bench.rank_training_bench import RankLoopTimes, time_two_rank_loop
 from workers.lifecycle import end_guards, run_guarded
 from workers.trainer.publishing import BackgroundPublisher, Pending, copy_weights
-from workers.trainer.settings import TrainerSection
+from workers.trainer.settings import TrainerSection, TrainerSettings
 from workers.trainer.update import run_update
 
 BARE = LossSection(importance="none", score_centering=False, mask_replay=False)
@@ -228,6 +232,40 @@ def _time_capture(model, repeats: int) -> tuple[float, float]:
     return statistics.median(copies), statistics.median(views)
 
 
+def _time_two_ranks(
+    model, batch, cfg: TrainerSection, repeats: int, quick: bool
+) -> tuple[PublishComparison, RankLoopTimes]:
+    """Two ranks, on one private stack: publishing the same versions as one process (the non-quick demo
+    model even under --quick: smaller, fixed costs would hide the split), and rank 0's training loop
+    (`model`, `batch`, `cfg`: those of the 1-process loops)."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # the ranks load the model: no bars between the tables
+    # The pinned arms (one core against a core a rank) say what sharding gives with cores of its own.
+    arms = default_arms()[:2] if quick else default_arms()
+    with private_stack("benchranks") as stack, tempfile.TemporaryDirectory(prefix="sprawl-bench-ranks-") as tmp:
+        asyncio.run(apply_streams(stack))
+        comparison = compare_publishing(
+            stack,
+            demo_model(quick=False),
+            versions=10 if quick else 24,
+            keyframe_every=5 if quick else 8,
+            views=VIEWS,
+            scratch=Path(tmp),
+            arms=arms,
+        )
+        model.save_pretrained(Path(tmp) / "model")
+        settings = TrainerSettings(
+            **stack.model_dump(include={"run_id", "nats", "blobs", "log", "streams"}),
+            trainer=cfg.model_copy(
+                update={"model_dir": Path(tmp) / "model", "ranks": 2, "groups_per_batch": len(batch)}
+            ),
+            chain=ChainSettings(views=VIEWS, keyframe_every=1000),
+        )
+        loop = time_two_rank_loop(settings, batch, repeats, Path(tmp))
+    return comparison, loop
+
+
 def bench_trainer(quick: bool) -> tuple[list[dict], dict]:
     configure_logging("bench", fmt="json", level="WARNING")
     torch.set_num_threads(2)
@@ -239,6 +277,8 @@ def bench_trainer(quick: bool) -> tuple[list[dict], dict]:
     configs |= {name: TrainerSection(loss=apply_spec(BARE, spec)) for name, spec in CORRECTIONS.items()}
     configs["routing_replay"] = TrainerSection(loss=BARE, routing_replay=True)
     configs["default"] = TrainerSection(loss=DEFAULT)
+    # First: the ranks are forked before this process's own thread pools have run anything.
+    ranked, ranked_loop = _time_two_ranks(model, batch, configs["default"], repeats, quick)
     timed = _time_updates(model, batch, configs, repeats)
     bare, full = timed["bare"], timed["default"]
     rows = [{"what": "bare forward/backward/step", "seconds": bare, "vs_bare": 1.0}]
@@ -264,6 +304,26 @@ def bench_trainer(quick: bool) -> tuple[list[dict], dict]:
             "what": "  of which blocked on publishing",
             "seconds": statistics.median(background.blocked),
             "vs_bare": statistics.median(background.blocked) / bare,
+        },
+        {
+            "what": "publish a version, 1 process (non-quick demo model)",
+            "seconds": ranked.seconds("1_rank"),
+            "vs_bare": ranked.seconds("1_rank") / bare,
+        },
+        {
+            "what": "publish the same version, 2 ranks",
+            "seconds": ranked.seconds("2_ranks"),
+            "vs_bare": ranked.seconds("2_ranks") / bare,
+        },
+        {
+            "what": "step with 2 ranks, publishing in the background",
+            "seconds": ranked_loop.median("steps"),
+            "vs_bare": ranked_loop.median("steps") / bare,
+        },
+        {
+            "what": "  of which blocked on publishing (capture gather + submit)",
+            "seconds": ranked_loop.median("blocked"),
+            "vs_bare": ranked_loop.median("blocked") / bare,
         },
     ]
     summary = {
@@ -291,6 +351,35 @@ def bench_trainer(quick: bool) -> tuple[list[dict], dict]:
         "per_correction_overhead": {
             r["what"].removeprefix("+ "): round(r["vs_bare"] - 1, 4) for r in rows if r["what"].startswith("+ ")
         },
+        # Two ranks (`workers/bench/rank_publish_bench.py`): one version of the same model (the non-quick
+        # demo model) published by one process and by two ranks holding their own units, medians per
+        # version taken in turns. The speedup is single over two ranks, both as the scheduler places them
+        # on this machine (the trainer's case); `_core_each` pins one process to one core against two
+        # ranks on a core each (None under --quick, or with fewer than two cores). CPU seconds are per
+        # version, the ranks' summed. The profile says where each one's time went (patches, keyframes).
+        "publish_speedup_2_ranks": round(ranked.speedup("1_rank", "2_ranks"), 4),
+        "publish_s_1_rank": round(ranked.seconds("1_rank"), 4),
+        "publish_s_2_ranks": round(ranked.seconds("2_ranks"), 4),
+        "publish_cpu_s_1_rank": round(ranked.cpu_s("1_rank"), 4),
+        "publish_cpu_s_2_ranks": round(ranked.cpu_s("2_ranks"), 4),
+        "publish_speedup_2_ranks_core_each": (
+            round(ranked.speedup("1_rank_1_core", "2_ranks_core_each"), 4)
+            if "2_ranks_core_each" in ranked.timings
+            else None
+        ),
+        "publish_profile_2_ranks": {
+            "units": ranked.units,
+            "unit_share": ranked.unit_share,
+            **{arm: ranked.profile(arm) for arm in ranked.timings},
+        },
+        # Rank 0's loop with two ranks (`workers/bench/rank_training_bench.py`): the FSDP update, the
+        # capture (a gather of each rank's owned tensors) and the background publish of both ranks'
+        # parts, as the sharded trainer runs them; blocked = capture + submit, over the step (totals).
+        "publish_fraction_2_ranks": round(ranked_loop.fraction, 4),
+        "step_s_2_ranks": round(ranked_loop.median("steps"), 4),
+        "update_s_2_ranks": round(ranked_loop.median("update"), 4),
+        "capture_s_2_ranks": round(ranked_loop.median("capture"), 4),
+        "publish_wait_s_2_ranks": round(ranked_loop.median("submit"), 4),
     }
     table = [{"what": r["what"], "seconds": f"{r['seconds']:.4f}", "vs bare": f"{r['vs_bare']:.3f}"} for r in rows]
     return table, summary
