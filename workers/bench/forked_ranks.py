@@ -9,6 +9,7 @@ child whose parent died reads EOF on its pipe and ends.
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import os
 import time
@@ -42,19 +43,26 @@ class Worker:
         deadline = time.monotonic() + timeout_s
         while not self.conn.poll(0.2):
             if not self.process.is_alive():
-                raise BenchWorkerFailed(
-                    f"benchmark worker {self.name} exited with code {self.process.exitcode} without answering",
-                    hint="look for its error on stderr above",
-                )
+                raise self._died()
             if time.monotonic() > deadline:
                 raise BenchWorkerFailed(
-                    f"benchmark worker {self.name} did not answer in {timeout_s:.0f} s",
+                    f"benchmark worker {self.name} did not answer in {timeout_s:.1f} s",
                     hint="a rank waiting on its peer's collective: look for the other worker's error",
                 )
-        kind, payload = self.conn.recv()
+        try:
+            kind, payload = self.conn.recv()
+        except EOFError:  # its end of the pipe closed: it exited
+            self.process.join(5)
+            raise self._died() from None
         if kind == "error":
             raise BenchWorkerFailed(f"benchmark worker {self.name} failed:\n{payload}", hint="a bug in the bench")
         return payload
+
+    def _died(self) -> BenchWorkerFailed:
+        return BenchWorkerFailed(
+            f"benchmark worker {self.name} exited with code {self.process.exitcode} without answering",
+            hint="look for its error on stderr above",
+        )
 
 
 def start_workers(mains: dict[str, Callable[[Connection], None]]) -> list[Worker]:
@@ -68,6 +76,21 @@ def start_workers(mains: dict[str, Callable[[Connection], None]]) -> list[Worker
         child.close()
         workers.append(Worker(name, process, parent))
     return workers
+
+
+def receive_all(workers: list[Worker], timeout_s: float = START_TIMEOUT_S) -> list[Any]:
+    """Every worker's next answer, in order. Fails as soon as any of them fails or dies: its peers may be
+    waiting in a collective for it, and would only answer when that times out."""
+    answers: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(answers) < len(workers):
+        for i, worker in enumerate(workers):
+            if i not in answers and (worker.conn.poll(0.05) or not worker.process.is_alive()):
+                answers[i] = worker.receive(timeout_s=max(0.0, deadline - time.monotonic()))
+        if time.monotonic() > deadline and len(answers) < len(workers):
+            silent = ", ".join(w.name for i, w in enumerate(workers) if i not in answers)
+            raise BenchWorkerFailed(f"benchmark worker(s) {silent} did not answer in {timeout_s:.1f} s")
+    return [answers[i] for i in range(len(workers))]
 
 
 def stop_workers(workers: list[Worker], timeout_s: float = 60.0) -> None:
@@ -107,6 +130,8 @@ def init_gloo(rank: int, world_size: int, store_path: str):
 
     from workers.trainer.distributed import RankContext
 
+    timeout = datetime.timedelta(seconds=START_TIMEOUT_S)  # a dead peer fails its collectives this late at most
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    return RankContext(rank=rank, world_size=world_size, publish_group=dist.new_group(backend="gloo"))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    publish_group = dist.new_group(backend="gloo", timeout=timeout)
+    return RankContext(rank=rank, world_size=world_size, publish_group=publish_group)

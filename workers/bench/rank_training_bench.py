@@ -26,7 +26,7 @@ from pipeline.batching import GroupBatchItem
 from pipeline.blobstore import open_blob_store
 from pipeline.chain_publish import ChainPublisher
 from pipeline.eventlog import EventLog
-from workers.bench.forked_ranks import answer, init_gloo, start_workers, stop_workers
+from workers.bench.forked_ranks import answer, init_gloo, receive_all, start_workers, stop_workers
 from workers.lifecycle import end_guards, run_guarded
 from workers.trainer.settings import TrainerSettings
 
@@ -146,8 +146,7 @@ def time_two_rank_loop(
     setup = _Setup(settings=settings, batch=batch, repeats=repeats, store_path=str(scratch / "loop-store"))
     workers = start_workers({"loop-rank0": _rank_main(setup, 0), "loop-rank1": _rank_main(setup, 1)})
     try:
-        times = workers[0].receive()
-        workers[1].receive()
+        times, _ = receive_all(workers)
     finally:
         stop_workers(workers)
     return times
