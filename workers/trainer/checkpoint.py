@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import random
 from dataclasses import dataclass
 
@@ -152,16 +151,11 @@ async def restore_any_checkpoint(blobs: BlobStore, ckpt: TrainerCheckpoint, trai
     """Restore a checkpoint written by one process (`save_checkpoint`) or by several ranks (a manifest of
     torch.distributed.checkpoint files). Weights move between the two only through the chain: a
     single process cannot load a sharded one, nor ranks a single one (CheckpointFormatMismatch)."""
-    from workers.trainer.ranks import SHARDED_CHECKPOINT_FORMAT, CheckpointFormatMismatch
+    from workers.trainer.ranks import CheckpointFormatMismatch, checked_manifest
 
     data = await asyncio.to_thread(blobs.get_bytes, ckpt.uri, expected=ckpt.sha256)
     sharded = data[:1] == b"{"
-    manifest = json.loads(data) if sharded else None
-    if sharded and (not isinstance(manifest, dict) or manifest.get("format") != SHARDED_CHECKPOINT_FORMAT):
-        raise CheckpointFormatMismatch(
-            f"checkpoint of version {ckpt.version} is JSON but not a {SHARDED_CHECKPOINT_FORMAT} manifest",
-            hint="the blob was not written by a sprawl trainer",
-        )
+    manifest = checked_manifest(data, ckpt.version) if sharded else None
     if sharded != training.ctx.distributed:
         written = f"{manifest['world_size']} ranks" if manifest else "one process"
         raise CheckpointFormatMismatch(

@@ -162,7 +162,9 @@ def gradient_norm(params: list[torch.nn.Parameter], ctx: RankContext) -> torch.T
             partials.append(torch.zeros(rows, dtype=torch.float64))
             continue
         local = local_tensor(grad).detach().to("cpu", torch.float64)
-        local = local.reshape(local.shape[0], -1) if local.dim() > 1 else local.reshape(-1, 1)
+        # flatten(1), not reshape(rows, -1): a rank whose shard of a parameter is empty (dim 0 smaller
+        # than its ceil-chunked share, e.g. 4 experts over 3 ranks) has 0 rows, which reshape refuses.
+        local = local.flatten(1) if local.dim() > 1 else local.reshape(-1, 1)
         partials.append((local * local).sum(dim=1))
     mine = torch.cat(partials) if partials else torch.zeros(0, dtype=torch.float64)
     if not ctx.distributed:

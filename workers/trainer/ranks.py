@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import queue
+import re
 import tempfile
 import threading
 import uuid
@@ -327,6 +328,62 @@ def _publish_loop(publisher: RankPublisher, pending: queue.Queue) -> None:
 
 def new_writer_id() -> str:
     return uuid.uuid4().hex[:12]
+
+
+class CheckpointManifestInvalid(SprawlError):
+    """A sharded checkpoint's manifest that this trainer did not write (or that was tampered with)."""
+
+
+DCP_FILE = re.compile(r"(\.metadata|__(\d+)_(\d+)\.distcp)")
+"""The names torch.distributed.checkpoint's FileSystemWriter gives its files: one .metadata, and
+`__<rank>_<n>.distcp` per rank."""
+
+
+def checked_manifest(data: bytes, version: int) -> dict[str, Any]:
+    """The manifest of a sharded checkpoint, refused (naming the entry) unless it is exactly what
+    `save_sharded` writes: plain file names of torch.distributed.checkpoint's own form, each with a
+    digest, the .metadata file and one or more data files from every rank that wrote it, no repeats."""
+
+    def bad(what: str) -> CheckpointManifestInvalid:
+        return CheckpointManifestInvalid(
+            f"the manifest of the checkpoint of version {version}: {what}",
+            hint="the blob was not written by a sprawl trainer (or was replaced): restore an older checkpoint"
+            " by removing this one's event from consideration, or start the run anew",
+        )
+
+    try:
+        manifest = json.loads(data)
+    except ValueError as exc:
+        raise bad(f"not JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != SHARDED_CHECKPOINT_FORMAT:
+        raise bad(f"not a {SHARDED_CHECKPOINT_FORMAT} manifest")
+    world = manifest.get("world_size")
+    if not isinstance(world, int) or world < 2:
+        raise bad(f"world_size {world!r} is not a number of ranks")
+    for key, kind in (("version", int), ("step", int), ("used", list), ("files", list)):
+        if not isinstance(manifest.get(key), kind):
+            raise bad(f"{key!r} is missing or not a {kind.__name__}")
+    names: set[str] = set()
+    writers: set[int] = set()
+    for entry in manifest["files"]:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not DCP_FILE.fullmatch(name):
+            raise bad(f"file entry {name!r} is not a torch.distributed.checkpoint file name")
+        if name in names:
+            raise bad(f"file {name!r} is listed twice")
+        if not all(isinstance(entry.get(k), t) for k, t in (("uri", str), ("sha256", str), ("bytes", int))):
+            raise bad(f"file {name!r} lacks its uri, digest or size")
+        names.add(name)
+        match = DCP_FILE.fullmatch(name)
+        if match and match.group(2) is not None:
+            writers.add(int(match.group(2)))
+    if ".metadata" not in names:
+        raise bad("no .metadata file")
+    missing = sorted(set(range(world)) - writers)
+    if missing or writers - set(range(world)):
+        expected = ", ".join(f"__{r}_0.distcp" for r in missing) or "none"
+        raise bad(f"data files of ranks {sorted(writers)} for {world} ranks (missing: {expected})")
+    return manifest
 
 
 def checkpoint_manifest(
