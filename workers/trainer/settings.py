@@ -130,7 +130,8 @@ class TrainerSection(Section):
     micro_batches: int | None = Field(None, ge=1)
     """Slices each update's batch is cut into (whole groups each); every rank computes its share one
     after another, accumulating gradients. None: one per rank. A run with one rank and 2 slices computes
-    the same bits as two ranks with one slice each (CPU): the sum of two gradients is order-free."""
+    the same bits as two ranks with one slice each (CPU): the sum of two gradients is order-free (of
+    three or more it is not: the collective's order then decides the last bits)."""
     max_restarts: int = Field(3, ge=0)
     """With several ranks: times torchrun restarts all of them after one fails or is killed (each
     restart recovers from the newest checkpoint and the lineage, as a single trainer does)."""
