@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import statistics
 import threading
 import time
@@ -87,6 +88,9 @@ class VersionTiming:
     runqueue_s: float = 0.0
     """Seconds this process's threads were ready to run but waited for a core, summed over threads:
     the cost of sharing the cores, as opposed to waiting on I/O or a lock."""
+    thread_cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds by thread group (the Python thread's name without its number; `native` for threads
+    Python did not start, gloo's and torch's): which part of the publisher keeps the cores busy."""
     stack_cpu_s: float = 0.0
     """CPU seconds of the stack's servers (SeaweedFS, nats-server) meanwhile (measured by the parent)."""
     machine_busy_s: float = 0.0
@@ -147,6 +151,10 @@ class PublishComparison:
                     value = statistics.median(getattr(t, what) for t in chosen)
                     label = what if what.endswith("_s") or what == "uploads" else f"{what}_s"
                     row[prefix + label.replace("seconds_s", "seconds")] = round(value, 4)
+                if not keyframe:
+                    for group in sorted({g for t in chosen for g in t.thread_cpu_s}):
+                        cpu = statistics.median(t.thread_cpu_s.get(group, 0.0) for t in chosen)
+                        row[f"{prefix}cpu_s_{group}"] = round(cpu, 4)
                 if rank == 0 and not keyframe:
                     for view in chosen[0].changed:
                         row[f"changed_{view}"] = round(statistics.median(t.changed[view] for t in chosen), 5)
@@ -334,12 +342,13 @@ async def _publish_versions(
         if ranked:
             await asyncio.to_thread(dist.barrier)
         stopwatch.reset()
-        waits, cpu, started = _runqueue_waits(), time.process_time(), time.perf_counter()
+        before, cpu, started = _thread_stats(), time.process_time(), time.perf_counter()
         event = await publish(version, weights)
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
-        after = _runqueue_waits()
-        waited = sum(after[tid] - waits.get(tid, 0) for tid in after) / 1e9
+        after = _thread_stats()
+        waited = sum(wait - before.get(tid, (0, 0))[1] for tid, (_, wait) in after.items()) / 1e9
         timing = stopwatch.timing(version, keyframe, seconds, cpu, waited)
+        timing.thread_cpu_s = _by_thread_group({tid: on - before.get(tid, (0, 0))[0] for tid, (on, _) in after.items()})
         if isinstance(event, PolicyVersion):
             timing.root_hashes = {v.view: v.root_hash for v in event.views}
             timing.changed = {v.view: v.changed_elements / max(1, v.total_elements) for v in event.views}
@@ -486,12 +495,23 @@ def _machine_busy() -> float:
     return (sum(values) - values[3] - values[4]) / _TICK  # all but idle and iowait
 
 
-def _runqueue_waits() -> dict[int, int]:
-    """Nanoseconds each thread of this process has waited for a core so far ({} without schedstat)."""
-    waits = {}
+def _thread_stats() -> dict[int, tuple[int, int]]:
+    """Per thread of this process: nanoseconds on a core and waiting for one so far (Linux schedstat;
+    {} without it)."""
+    stats = {}
     for task in Path("/proc/self/task").iterdir():
         try:
-            waits[int(task.name)] = int((task / "schedstat").read_text().split()[1])
-        except (OSError, IndexError, ValueError):
+            on_cpu, waiting = (task / "schedstat").read_text().split()[:2]
+            stats[int(task.name)] = (int(on_cpu), int(waiting))
+        except (OSError, ValueError):
             continue  # a thread that ended meanwhile
-    return waits
+    return stats
+
+
+def _by_thread_group(cpu_ns: dict[int, int]) -> dict[str, float]:
+    names = {t.native_id: re.sub(r"[-_]\d+$", "", t.name) for t in threading.enumerate()}
+    groups: dict[str, float] = {}
+    for tid, ns in cpu_ns.items():
+        group = names.get(tid, "native")
+        groups[group] = groups.get(group, 0.0) + ns / 1e9
+    return groups

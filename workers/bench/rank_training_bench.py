@@ -38,6 +38,10 @@ class RankLoopTimes:
     update: list[float] = field(default_factory=list)
     capture: list[float] = field(default_factory=list)
     submit: list[float] = field(default_factory=list)
+    shard_copy: list[float] = field(default_factory=list)
+    """Not part of the step: copying rank 0's own FSDP shards into a reused snapshot, timed after the
+    submit. What the capture would cost if each rank only copied its shards and the gather to the
+    owners ran in the publish thread, on the publish group."""
 
     @property
     def blocked(self) -> list[float]:
@@ -66,7 +70,8 @@ class _Setup:
 
 async def _leader_loop(setup: _Setup, ctx) -> RankLoopTimes:
     """Rank 0: `Trainer._prepare` and `Trainer._train` reduced to the update, the capture and the publish."""
-    from workers.trainer.publishing import BackgroundPublisher, Pending
+    from workers.trainer.distributed import local_tensor
+    from workers.trainer.publishing import BackgroundPublisher, Pending, copy_weights
     from workers.trainer.ranks import RankPublisher, RankTraining, extra_files, source_shapes, start_followers
 
     settings, cfg = setup.settings, setup.settings.trainer
@@ -94,6 +99,8 @@ async def _leader_loop(setup: _Setup, ctx) -> RankLoopTimes:
             await publisher.publish(pending.version, pending.weights)
 
         background: BackgroundPublisher[None] = BackgroundPublisher(publish, cfg.publish_depth, name="bench publisher")
+        shards: dict = {}
+        model_state = training.model.state_dict
 
         async def loop() -> None:
             for version in range(setup.repeats):
@@ -106,6 +113,9 @@ async def _leader_loop(setup: _Setup, ctx) -> RankLoopTimes:
                 times.update.append(updated - started)
                 times.capture.append(captured - updated)
                 times.submit.append(submit)
+                copied = time.perf_counter()
+                await asyncio.to_thread(copy_weights, shards, {n: local_tensor(t) for n, t in model_state().items()})
+                times.shard_copy.append(time.perf_counter() - copied)
             await background.drain()
 
         guards = [background.start()]

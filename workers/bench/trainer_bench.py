@@ -380,6 +380,9 @@ def bench_trainer(quick: bool) -> tuple[list[dict], dict]:
         "update_s_2_ranks": round(ranked_loop.median("update"), 4),
         "capture_s_2_ranks": round(ranked_loop.median("capture"), 4),
         "publish_wait_s_2_ranks": round(ranked_loop.median("submit"), 4),
+        # Not part of the step: rank 0 copying only its own shards, what the capture would cost if the
+        # gather to the owners ran in the publish thread instead of the update loop.
+        "shard_copy_s_2_ranks": round(ranked_loop.median("shard_copy"), 4),
     }
     table = [{"what": r["what"], "seconds": f"{r['seconds']:.4f}", "vs bare": f"{r['vs_bare']:.3f}"} for r in rows]
     return table, summary
