@@ -89,8 +89,8 @@ class VersionTiming:
     """Seconds this process's threads were ready to run but waited for a core, summed over threads:
     the cost of sharing the cores, as opposed to waiting on I/O or a lock."""
     thread_cpu_s: dict[str, float] = field(default_factory=dict)
-    """CPU seconds by thread group (the Python thread's name without its number; `native` for threads
-    Python did not start, gloo's and torch's): which part of the publisher keeps the cores busy."""
+    """CPU seconds by thread group (`THREAD_GROUPS`; `native` for threads Python did not start, gloo's
+    and torch's): which part of the publisher keeps the cores busy."""
     stack_cpu_s: float = 0.0
     """CPU seconds of the stack's servers (SeaweedFS, nats-server) meanwhile (measured by the parent)."""
     machine_busy_s: float = 0.0
@@ -508,10 +508,19 @@ def _thread_stats() -> dict[int, tuple[int, int]]:
     return stats
 
 
+THREAD_GROUPS = {
+    "MainThread": "event_loop",
+    "ThreadPoolExecutor": "codec_pool",  # the one unnamed pool of a publishing process: ChainPublisher's
+    "publish-unit": "unit_pool",
+    "asyncio": "to_thread",  # asyncio.to_thread: each view's part, the gather, the keyframe agreement
+}
+
+
 def _by_thread_group(cpu_ns: dict[int, int]) -> dict[str, float]:
-    names = {t.native_id: re.sub(r"[-_]\d+$", "", t.name) for t in threading.enumerate()}
+    names = {t.native_id: re.sub(r"(-\d+)?(_\d+)?$", "", t.name) for t in threading.enumerate()}
     groups: dict[str, float] = {}
     for tid, ns in cpu_ns.items():
-        group = names.get(tid, "native")
+        name = names.get(tid)
+        group = "native" if name is None else THREAD_GROUPS.get(name, name)
         groups[group] = groups.get(group, 0.0) + ns / 1e9
     return groups

@@ -8,6 +8,12 @@ after each update (the baseline: `publish_fraction_sync`), and through the train
 publisher (`workers/trainer/publishing.py`), where the update loop is blocked only to capture the
 weights or when `publish_depth` versions are in flight (`publish_fraction`: that time over the step's).
 Figures are medians of repeated runs in one process; fractions are totals over the loop.
+
+Two ranks, first (forked gloo processes, on a private stack of their own): the same versions of the
+non-quick demo model published by one process and by two ranks that each hold their own units
+(`publish_speedup_2_ranks`, with a profile of where each process's time and CPU went:
+`rank_publish_bench.py`), and rank 0's loop of the sharded trainer with its background publisher
+(`publish_fraction_2_ranks`: `rank_training_bench.py`).
 """
 
 from __future__ import annotations
