@@ -701,3 +701,107 @@ async def test_a_stopped_rank_fails_its_peer_on_the_collective_timeout_and_the_j
     assert "Timed out waiting 5000ms" in job.output
     assert await _served(event_log, run_id, VERSIONS) == reference
     assert await _policy_versions(event_log, run_id) == list(range(VERSIONS + 1))
+
+
+# ---------------------------------------------------------------- 8. an idle job; the launcher killed; S3 down
+
+
+async def _renewals_since(event_log, run_id: str, after_seq: int) -> int:
+    return sum(1 for r in await _leases(event_log, run_id) if r.stream_seq > after_seq)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a follower rank waits for rank 0's next command in a gloo broadcast (ranks.follow_leader: "
+    "dist.broadcast_object_list) bounded by trainer.collective_timeout_s: a job with no batch to train for "
+    "longer than that (a fleet still loading, a quiet hour; 600 s by default) loses rank 1 with `Timed out "
+    "waiting 3000ms for recv operation to complete`, torchrun restarts the job (max_restarts spent on "
+    "idleness: after 3 idle spells the job is gone for good)",
+)
+async def test_an_idle_job_outlives_the_collective_timeout(event_log, settings, model_dir, tmp_path):
+    """One version's groups, then nothing for several collective timeouts: the job waits (the same ranks,
+    no restart), and trains on when the next groups come. The trainer's own lease renewals (every
+    lease_ttl_s / 4 = 2 s) are the clock: six of them span four timeouts."""
+    run_id = await _new_run(event_log, settings, model_dir, 2)
+    env = _env(
+        settings, run_id, model_dir, ranks=2, max_restarts=0, max_versions=2, collective_timeout_s=3, lease_ttl_s=8
+    )
+    with Job(CMD, env, run_id, tmp_path / "job.log") as job:
+        await _until(lambda: _version_published(event_log, run_id, 1), "version 1", job)
+        ranks = {p.pid for p in _processes(run_id) if p.rank is not None}
+        since = (await _leases(event_log, run_id))[-1].stream_seq
+
+        async def idle_long_enough() -> bool:
+            return await _renewals_since(event_log, run_id, since) >= 6
+
+        await _until(idle_long_enough, "six lease renewals while idle", job)
+        assert {p.pid for p in _processes(run_id) if p.rank is not None} == ranks, "a rank was restarted while idle"
+        await publish_groups(event_log, make_groups(model_dir, run_id, 4)[2:])  # the next version's groups
+        assert job.wait() == 0, job.errors()
+    assert (await chain_head(event_log, run_id)).version == 2
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="launch.launch_ranks starts torchrun as a plain child, and torchrun starts each rank in a session of "
+    "its own: a SIGKILL of `sprawl trainer` (what a supervisor or the OOM killer sends) leaves torchrun and both "
+    "ranks running, rank 0 still renewing the run's lease; a supervisor that restarts `sprawl trainer` with "
+    "the same trainer_id then has two jobs taking the lease from each other (a restart of either takes it "
+    "back at once), each restart spending the other's max_restarts",
+)
+async def test_sigkill_of_the_launcher_takes_its_ranks_with_it(event_log, settings, model_dir, tmp_path):
+    """The job waits for data (one version's groups); the launcher is SIGKILLed: its torchrun and ranks
+    must go too. Decided by events, not time: every process gone, or two more lease renewals (every
+    lease_ttl_s / 4 = 5 s) from a job whose launcher is dead."""
+    run_id = await _new_run(event_log, settings, model_dir, 2)
+    env = _env(settings, run_id, model_dir, ranks=2, max_restarts=2, max_versions=10, lease_ttl_s=20)
+    with Job(CMD, env, run_id, tmp_path / "job.log") as job:
+        await _until(lambda: _version_published(event_log, run_id, 1), "version 1", job)
+        since = (await _leases(event_log, run_id))[-1].stream_seq
+        job.process.kill()
+        job.process.wait()
+
+        async def settled() -> str | None:
+            if not _processes(run_id):
+                return "gone"
+            if await _renewals_since(event_log, run_id, since) >= 2:
+                return "renewing its lease"
+            return None
+
+        outcome = await _until(settled, "the job's processes gone or renewing")
+    assert outcome == "gone", f"torchrun and the ranks outlived their launcher, {outcome}"
+
+
+@pytest.mark.slow
+async def test_an_s3_outage_past_the_patience_stops_the_ranks_loudly_and_the_restart_recovers(
+    event_log, settings, model_dir, reference, tmp_path
+):
+    """SeaweedFS SIGSTOPped after version 1 (its sockets open, nothing answers) for longer than
+    blobs.outage_patience_s: the version's publish fails loudly (PublishFailed on rank 0; a follower's
+    publish thread exits its rank), never a rank parked in the parts' gather; torchrun restarts the job once
+    the store is back, and it re-derives and finishes the one-process chain."""
+    from tests.servers import server_stopped
+
+    run_id = await _new_run(event_log, settings, model_dir, 2 * VERSIONS)
+    env = _env(settings, run_id, model_dir, ranks=2, max_restarts=2)
+    env |= {
+        "SPRAWL_BLOBS__MAX_ATTEMPTS": "1",
+        "SPRAWL_BLOBS__CONNECT_TIMEOUT_S": "1",
+        "SPRAWL_BLOBS__READ_TIMEOUT_S": "1",
+        "SPRAWL_BLOBS__OUTAGE_PATIENCE_S": "4",
+    }
+    with Job(CMD, env, run_id, tmp_path / "job.log") as job:
+        await _until(lambda: _version_published(event_log, run_id, 1), "version 1", job)
+        first = {p.pid for p in _processes(run_id) if p.rank is not None}
+
+        async def restarted() -> bool:
+            ranks = {p.pid for p in _processes(run_id) if p.rank is not None}
+            return bool(ranks) and not ranks & first
+
+        with server_stopped(settings, "seaweedfs"):
+            await _until(restarted, "the ranks replaced after the outage outlasted the patience", job)
+        assert job.wait() == 0, job.errors()
+    assert "longer than blobs.outage_patience_s=4" in job.output
+    assert await _served(event_log, run_id, VERSIONS) == reference
+    assert await _policy_versions(event_log, run_id) == list(range(VERSIONS + 1))
