@@ -148,9 +148,7 @@ class PublishComparison:
                 if rank == 0:
                     stages += ["stack_cpu_s", "machine_busy_s"]
                 for what in stages:
-                    value = statistics.median(getattr(t, what) for t in chosen)
-                    label = what if what.endswith("_s") or what == "uploads" else f"{what}_s"
-                    row[prefix + label.replace("seconds_s", "seconds")] = round(value, 4)
+                    row[prefix + what] = round(statistics.median(getattr(t, what) for t in chosen), 4)
                 if not keyframe:
                     for group in sorted({g for t in chosen for g in t.thread_cpu_s}):
                         cpu = statistics.median(t.thread_cpu_s.get(group, 0.0) for t in chosen)
