@@ -90,7 +90,7 @@ async def _leader_loop(setup: _Setup, ctx) -> RankLoopTimes:
     times = RankLoopTimes()
     try:
         training.plan_owners(chain)
-        publisher = RankPublisher(chain, ctx)
+        publisher = RankPublisher(chain, training)
         await publisher.open()
         start_followers(chain, ctx)
         await publisher.publish(0, await asyncio.to_thread(training.capture))

@@ -18,6 +18,7 @@ gradient of its own. What makes N ranks publish the same bits as one process:
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -202,41 +203,73 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, ctx: RankC
 def gather_owned(
     named: list[tuple[str, torch.Tensor]], owner_of: dict[str, int], ctx: RankContext
 ) -> dict[str, torch.Tensor]:
+    """The full tensors of the parameters this rank owns for publishing, from the live (sharded) model,
+    over the training's process group. See `gather_owned_shards`."""
+    return gather_owned_shards(
+        {n: local_tensor(t).detach() for n, t in named},
+        {n: tuple(t.shape) for n, t in named},
+        {n for n, t in named if is_sharded(t)},
+        owner_of,
+        ctx,
+        group=None,
+        device=ctx.device,
+    )
+
+
+def local_shards(named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """CPU copies of this rank's shard of every tensor (a buffer whole): what a version's capture keeps, so
+    the gather to each owner can run later, beside the next update, from these copies."""
+    return {n: local_tensor(t).detach().to("cpu", copy=True) for n, t in named}
+
+
+def gather_owned_shards(
+    local: dict[str, torch.Tensor],
+    shapes: dict[str, tuple[int, ...]],
+    sharded: set[str],
+    owner_of: dict[str, int],
+    ctx: RankContext,
+    *,
+    group=None,
+    device: torch.device | None = None,
+) -> dict[str, torch.Tensor]:
     """The full tensors of the parameters this rank owns for publishing, on CPU, fp32 as trained.
 
-    Each rank sends its shard of every parameter to that parameter's owner only (one gather per owning
-    rank, all of its parameters in one flat buffer): a rank receives the parameters it owns and nothing
-    else, so no rank ever holds the whole model."""
+    `local`: this rank's dim-0 shard of every sharded tensor (whole ones for the rest), `shapes` their
+    global shapes. Each rank sends its shard of every parameter to that parameter's owner only (one
+    gather per owning rank, all of its parameters in one flat buffer): a rank receives the parameters
+    it owns and nothing else, so no rank ever holds the whole model."""
     if not ctx.distributed:
-        return {name: t.detach().to("cpu", copy=True) for name, t in named if owner_of.get(name, 0) == 0}
+        return {name: t.to("cpu", copy=True) for name, t in local.items() if owner_of.get(name, 0) == 0}
+    device = device or torch.device("cpu")
+    names = [n for n in local if n in owner_of]
     out: dict[str, torch.Tensor] = {}
-    for name, t in named:
-        if owner_of[name] == ctx.rank and not is_sharded(t):
-            out[name] = t.detach().to("cpu", copy=True)  # a buffer: every rank holds all of it
+    for name in names:
+        if owner_of[name] == ctx.rank and name not in sharded:
+            out[name] = local[name].to("cpu", copy=True)  # a buffer: every rank holds all of it
     for owner in range(ctx.world_size):
-        mine = [(n, t) for n, t in named if owner_of[n] == owner and is_sharded(t)]
+        mine = [n for n in names if owner_of[n] == owner and n in sharded]
         if not mine:
             continue
         # Every rank's piece padded to the ceil-sized chunk, so the buffers have one size.
-        row_numel = [int(t.numel() // t.shape[0]) if t.dim() and t.shape[0] else t.numel() for _, t in mine]
-        chunk_rows = [-(-t.shape[0] // ctx.world_size) if t.dim() else 1 for _, t in mine]
+        rows_of = [shapes[n][0] if shapes[n] else 1 for n in mine]
+        row_numel = [math.prod(shapes[n][1:]) if shapes[n] else 1 for n in mine]
+        chunk_rows = [-(-rows // ctx.world_size) for rows in rows_of]
         sizes = [rows * numel for rows, numel in zip(chunk_rows, row_numel, strict=True)]
-        buffer = torch.zeros(sum(sizes), dtype=torch.float32, device=ctx.device)
+        buffer = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
         offset = 0
-        for (_, t), size in zip(mine, sizes, strict=True):
-            piece = local_tensor(t).detach().reshape(-1).to(torch.float32)
+        for name, size in zip(mine, sizes, strict=True):
+            piece = local[name].reshape(-1).to(device=device, dtype=torch.float32)
             buffer[offset : offset + piece.numel()] = piece
             offset += size
         gathered = [torch.empty_like(buffer) for _ in range(ctx.world_size)] if ctx.rank == owner else None
-        dist.gather(buffer, gathered, dst=owner)
+        dist.gather(buffer, gathered, dst=owner, group=group)
         if ctx.rank != owner:
             continue
         assert gathered is not None
         offset = 0
-        for (name, t), rows, size in zip(mine, chunk_rows, sizes, strict=True):
-            counts = _row_chunks(t.shape[0], ctx.world_size) if t.dim() else [1] + [0] * (ctx.world_size - 1)
-            per_row = size // rows if rows else 0
+        for name, rows, per_row, size in zip(mine, rows_of, row_numel, sizes, strict=True):
+            counts = _row_chunks(rows, ctx.world_size)
             parts = [gathered[r][offset : offset + counts[r] * per_row] for r in range(ctx.world_size)]
-            out[name] = torch.cat(parts).reshape(t.shape).to("cpu", copy=True)
+            out[name] = torch.cat(parts).reshape(shapes[name]).to("cpu", copy=True)
             offset += size
     return out

@@ -169,7 +169,7 @@ class Trainer:
             if self.cfg.routing_replay:
                 raise
             self.routing = RoutingShape(0, 0, 0)
-        self.publisher = RankPublisher(self.chain, self.ctx) if self.ctx.distributed else self.chain
+        self.publisher = RankPublisher(self.chain, self.training) if self.ctx.distributed else self.chain
 
     async def _restore_latest(self) -> None:
         ckpt = await latest_checkpoint(self.log, self.run_id)

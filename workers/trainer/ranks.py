@@ -38,7 +38,14 @@ from pipeline.chain_publish import ChainPublisher
 from pipeline.errors import SprawlError
 from pipeline.logs import get_logger
 from pipeline.model_construction import MODEL_CONSTRUCTION
-from workers.trainer.distributed import RankContext, gather_owned, shard_model
+from workers.trainer.distributed import (
+    RankContext,
+    gather_owned,
+    gather_owned_shards,
+    is_sharded,
+    local_shards,
+    shard_model,
+)
 from workers.trainer.recovery import view_digests
 from workers.trainer.settings import TrainerSettings
 from workers.trainer.update import UpdateMetrics, run_update
@@ -101,6 +108,16 @@ class RankTraining:
     def plan_owners(self, publisher: ChainPublisher) -> None:
         layout = publisher.layout
         self.owner_of = {n: r for r in range(self.ctx.world_size) for n in layout.owned(r, self.ctx.world_size)}
+        state = self.model.state_dict()
+        self.shapes = {n: tuple(t.shape) for n, t in state.items()}
+        self.sharded = {n for n, t in state.items() if is_sharded(t)}
+
+    def gather_captured(self, captured: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """From a capture's shard copies, the full tensors this rank publishes: the gather to each owner,
+        on the publish group (it runs in the publish thread, beside the next update)."""
+        return gather_owned_shards(
+            dict(captured), self.shapes, self.sharded, self.owner_of, self.ctx, group=self.ctx.publish_group
+        )
 
     def update(
         self, batch: list[GroupBatchItem], trainer_version: int, quarantined: frozenset[str]
@@ -109,13 +126,13 @@ class RankTraining:
         return run_update(self.model, self.optimizer, batch, self.cfg, trainer_version, quarantined, self.ctx)
 
     def capture(self) -> Mapping[str, torch.Tensor]:
-        """This rank's share of the weights to publish: with one rank the live state dict (the background
-        publisher copies it); with several, full CPU copies of the parameters this rank owns."""
+        """The weights of the version just computed: with one rank the live state dict (the background
+        publisher copies it); with several, CPU copies of this rank's shards, which the publish path turns
+        into the full tensors this rank owns (`gather_captured`) while the next update runs."""
         self._tell("capture")
         if not self.ctx.distributed:
             return self.model.state_dict()
-        named = [(n, t) for n, t in self.model.state_dict().items() if n in self.owner_of]
-        return gather_owned(named, self.owner_of, self.ctx)
+        return local_shards([(n, t) for n, t in self.model.state_dict().items() if n in self.owner_of])
 
     def root_hashes(self) -> dict[str, str] | None:
         """Each view's manifest root hash for the current weights (rank 0; None on the others). Every
@@ -212,9 +229,10 @@ class RankPublisher:
     head. Versions are published in order on every rank (rank 0's background publisher, the other
     ranks' publish thread), and the parts' gathers use the publish process group."""
 
-    def __init__(self, chain: ChainPublisher, ctx: RankContext):
+    def __init__(self, chain: ChainPublisher, training: RankTraining):
         self.chain = chain
-        self.ctx = ctx
+        self.training = training
+        self.ctx = training.ctx
 
     @property
     def head(self) -> int | None:
@@ -226,10 +244,12 @@ class RankPublisher:
     def close(self) -> None:
         self.chain.close()
 
-    async def publish(self, version: int, weights: Mapping[str, torch.Tensor], **event_fields: Any):
+    async def publish(self, version: int, captured: Mapping[str, torch.Tensor], **event_fields: Any):
+        """`captured`: this rank's shard copies of `version` (`RankTraining.capture`)."""
+        owned = await asyncio.to_thread(self.training.gather_captured, captured)
         keyframe = await asyncio.to_thread(agree_on_keyframe, self.chain.needs_keyframe(version), self.ctx)
         part = await self.chain.publish_part(
-            version, weights, rank=self.ctx.rank, world_size=self.ctx.world_size, keyframe=keyframe
+            version, owned, rank=self.ctx.rank, world_size=self.ctx.world_size, keyframe=keyframe
         )
         parts = await asyncio.to_thread(self._gather, part)
         if not self.ctx.is_leader:
@@ -292,7 +312,7 @@ def follow_leader(settings: TrainerSettings, ctx: RankContext, blobs: BlobStore)
             )
             chain.start_at(start.head)
             training.plan_owners(chain)
-            publisher = RankPublisher(chain, ctx)
+            publisher = RankPublisher(chain, training)
             version = -1 if start.head is None else start.head
             thread = threading.Thread(target=_publish_loop, args=(publisher, publish_queue), daemon=True)
             thread.start()
