@@ -39,6 +39,11 @@ class Lineage(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_def
     Written only when non-empty (a blob without it is byte-identical to one from before the field), and
     a reader that predates it ignores it (unknown fields are allowed)."""
 
+    slices: int | None = None
+    """How many slices the update cut the batch into (`trainer.micro_batches`, or the number of ranks):
+    part of the computation, so a trainer restarted with another count cannot re-derive the version bit
+    for bit and refuses, naming both. None: written before the field (one slice)."""
+
     def trajectory_ids(self) -> list[str]:
         return [m.trajectory_id for g in self.groups for m in g.members]
 

@@ -41,14 +41,32 @@ def launch_ranks(settings: TrainerSettings, argv: list[str]) -> int:
     computed version published) and tells the others to return."""
     command = torchrun_command(settings, argv)
     log.info("launching trainer ranks", ranks=settings.trainer.ranks, max_restarts=settings.trainer.max_restarts)
-    process = subprocess.Popen(command)
+    # torchrun dies with this process (SIGKILLed by a supervisor or the OOM killer): its ranks, each in a
+    # session of their own, would otherwise go on holding the run's lease beside the restarted launcher.
+    process = subprocess.Popen(command, preexec_fn=_die_with_parent)
+    stopping: list[int] = []
 
     def forward(signum, _frame) -> None:
+        stopping.append(signum)
         process.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return process.wait()
+        code = process.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if stopping and code != 0:
+        # torchrun ends a requested stop with its own SignalException (exit 1) after the ranks stopped:
+        # a stop is not a crash (a supervisor would restart it). The ranks' own errors are in their log.
+        log.info("trainer ranks stopped on request", signal=signal.Signals(stopping[0]).name, torchrun_exit=code)
+        return 0
+    return code
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when this process dies (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

@@ -51,6 +51,7 @@ from pipeline.topology import (
     token,
     trajectories_filter,
 )
+from pipeline.version_log import fetch_version
 from pipeline.version_signing import trainer_signing_key, verify_version
 from schemas import GroupDropped, Reward, TrainerMetrics, Trajectory
 from workers.lifecycle import end_guards, run_connected, run_guarded
@@ -72,9 +73,15 @@ from workers.trainer.ranks import (
     source_shapes,
     start_followers,
 )
-from workers.trainer.recovery import batch_from_lineage, check_rederived, put_lineage, read_lineage
+from workers.trainer.recovery import (
+    RecoveryMismatch,
+    batch_from_lineage,
+    check_rederived,
+    put_lineage,
+    read_lineage,
+)
 from workers.trainer.settings import TrainerSettings
-from workers.trainer.update import UpdateMetrics
+from workers.trainer.update import UpdateMetrics, slice_count
 
 log = get_logger(__name__)
 
@@ -134,6 +141,10 @@ class Trainer:
         """The live feeds by stream name (their positions, outages and re-creations)."""
         self.training: RankTraining | None = None
         self.routing: RoutingShape | None = None
+        self.slices = slice_count(self.cfg, self.ctx)
+        """Slices of every update (checked here, before anything is published: a count the ranks cannot
+        share fails the job at once)."""
+        self._last_command = time.monotonic()
         self.model = None
         self.optimizer = None
         self.chain: ChainPublisher | None = None
@@ -181,6 +192,19 @@ class Trainer:
         self.assembler.used = state.used
         self.next_traj_seq, self.next_reward_seq = state.trajectory_position, state.reward_position
 
+    async def _check_restored(self) -> None:
+        """The restored weights must be the checkpoint's version's, as the chain recorded it: a checkpoint
+        whose blobs are another version's (a forged event, a replaced manifest) would otherwise be
+        trained on and its successors signed."""
+        assert self.training is not None
+        event = await fetch_version(self.log, self.run_id, self.version)
+        if event is None:
+            raise RecoveryMismatch(f"the checkpoint is of version {self.version}, which the chain does not hold")
+        hashes = await asyncio.to_thread(self.training.root_hashes)
+        assert hashes is not None  # rank 0
+        check_rederived(event, hashes)
+        log.info("restored state matches its version's root hashes", version=self.version)
+
     async def _checkpoint(self) -> None:
         assert self.model is not None and self.optimizer is not None and self.publisher is not None
         if self.publisher.head is None or self.publisher.head < self.version:
@@ -221,6 +245,13 @@ class Trainer:
         while self.version < head:
             version = self.version + 1
             event, batch, quarantined = await batch_from_lineage(self.log, self.blobs, self.run_id, version)
+            recorded = (await read_lineage(self.log, self.blobs, self.run_id, version))[1].slices or 1
+            if recorded != self.slices:
+                raise RecoveryMismatch(
+                    f"version {version} was computed in {recorded} slice(s); this trainer cuts batches into"
+                    f" {self.slices} (trainer.micro_batches, or one per rank): it cannot re-derive it bit for bit",
+                    hint=f"restart with trainer.micro_batches = {recorded} (and a number of ranks dividing it)",
+                )
             if self.signing_key is not None:
                 # A version in the chain that this trainer's key did not sign was forged: re-deriving on
                 # top of it would fork what islands serve, so the trainer stops and says which.
@@ -246,6 +277,7 @@ class Trainer:
     ) -> UpdateMetrics:
         assert self.training is not None
         metrics = self.training.update(batch, trainer_version, quarantined)
+        self._last_command = time.monotonic()
         assert metrics is not None  # rank 0 gets them
         self.step += 1
         return metrics
@@ -310,13 +342,22 @@ class Trainer:
         self.version = 0
         self.published.append(0)
 
+    async def _keep_followers_waiting(self) -> None:
+        """With no batch to train, tell the other ranks so now and then: they wait for the next command in a
+        collective, which fails after `collective_timeout_s` (a quiet fleet is not a dead rank)."""
+        if not self.ctx.distributed or time.monotonic() - self._last_command < self.cfg.collective_timeout_s / 4:
+            return
+        assert self.training is not None
+        await asyncio.to_thread(self.training.keep_waiting)
+        self._last_command = time.monotonic()
+
     async def _publish_version(self, pending: Pending[_VersionJob]) -> None:
         """The background publisher's work for one version: its lineage, the version (fenced on the
         previous one), then the metrics of the step that made it."""
         assert self.publisher is not None
         job, version = pending.job, pending.version
         started = time.perf_counter()
-        lineage = await put_lineage(self.blobs, self.run_id, version, job.batch, job.quarantined)
+        lineage = await put_lineage(self.blobs, self.run_id, version, job.batch, job.quarantined, self.slices)
         await self.publisher.publish(
             version,
             pending.weights,
@@ -432,6 +473,8 @@ class Trainer:
         head = await self.publisher.open()
         start_followers(self.chain, self.ctx)
         await self._restore_latest()
+        if self.version > 0:
+            await self._check_restored()
         if head is None:
             await self._publish_initial()
         else:
@@ -450,6 +493,7 @@ class Trainer:
             await self._drop_expired()
             batch = self.assembler.take_batch()
             if batch is None:
+                await self._keep_followers_waiting()
                 await asyncio.sleep(0.05)
                 continue
             quarantined = self.guard.quarantine_for({t.island.island_id for item in batch for t in item.trajectories})

@@ -48,7 +48,7 @@ from workers.trainer.distributed import (
 )
 from workers.trainer.recovery import view_digests
 from workers.trainer.settings import TrainerSettings
-from workers.trainer.update import UpdateMetrics, run_update
+from workers.trainer.update import UpdateMetrics, run_update, slice_count
 
 log = get_logger(__name__)
 
@@ -92,6 +92,7 @@ class RankTraining:
         self.cfg = settings.trainer
         self.ctx = ctx
         self.blobs = blobs
+        slice_count(self.cfg, ctx)  # every rank refuses a slice count the ranks cannot share, at once
         self.model = load_model(settings, ctx)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay
@@ -163,6 +164,10 @@ class RankTraining:
 
     def stop(self) -> None:
         self._tell("stop")
+
+    def keep_waiting(self) -> None:
+        """Rank 0, idle: a command that does nothing, so the others' wait for the next one never times out."""
+        self._tell("wait")
 
     # ---------------------------------------------------------------- sharded checkpoints
 
@@ -327,6 +332,8 @@ def follow_leader(settings: TrainerSettings, ctx: RankContext, blobs: BlobStore)
             training.save_sharded(*command.args)
         elif command.kind == "restore_sharded":
             training.restore_sharded(*command.args)
+        elif command.kind == "wait":
+            continue
         elif command.kind == "stop":
             publish_queue.put(None)
             if thread is not None:

@@ -25,10 +25,12 @@ from schemas.lineage import Lineage, LineageGroup, LineageMember, decode_lineage
 
 
 class RecoveryMismatch(SprawlError):
-    def __init__(self, message: str):
+    def __init__(self, message: str, hint: str | None = None):
         super().__init__(
             message,
-            hint="the update must be deterministic and its inputs unchanged; inspect with `sprawl audit lineage`",
+            hint=hint
+            or "the update must be deterministic and its inputs unchanged (the same trainer settings, slices"
+            " and ranks as when the version was computed); inspect with `sprawl audit lineage`",
         )
 
 
@@ -47,10 +49,12 @@ async def put_lineage(
     version: int,
     batch: list[GroupBatchItem],
     quarantined: frozenset[str] = frozenset(),
+    slices: int | None = None,
 ) -> BlobRef:
     """Write the lineage blob; its uri and sha256 go into the (signed) version event."""
     lineage = Lineage(
         version=version,
+        slices=slices,
         quarantined_islands=sorted(quarantined),
         groups=[
             LineageGroup(

@@ -280,6 +280,12 @@ def slice_count(cfg: TrainerSection, ctx: RankContext) -> int:
             f"trainer.micro_batches = {slices} cannot be split over {ctx.world_size} ranks",
             hint="make micro_batches a multiple of the number of ranks (or leave it unset: one per rank)",
         )
+    if slices > cfg.groups_per_batch:
+        raise RanksMisconfigured(
+            f"{slices} slices (over {ctx.world_size} ranks) for batches of {cfg.groups_per_batch} groups:"
+            " a slice holds whole groups",
+            hint="raise trainer.groups_per_batch to at least the number of slices, or use fewer ranks",
+        )
     return slices
 
 
