@@ -36,18 +36,21 @@ from pipeline.codec.warm import warm_in_background
 from pipeline.errors import AppendConflict, SprawlError, TransientError
 from pipeline.eventlog import EventLog
 from pipeline.lease import RunLease
-from pipeline.log_lookup import count_subjects
+from pipeline.log_lookup import count_subjects, last_event_on
 from pipeline.logs import get_logger
 from pipeline.moe_families import RoutingShape, UnsupportedMoeFamily, routing_shape
 from pipeline.replay import Follower
 from pipeline.topology import (
+    METRICS,
     REWARDS,
     TRAJECTORIES,
+    Kind,
     Stream,
     follower_name,
     group_rewards_filter,
     group_trajectories_filter,
     rewards_filter,
+    run_subject,
     token,
     trajectories_filter,
 )
@@ -242,6 +245,12 @@ class Trainer:
     async def _catch_up(self, head: int) -> None:
         """Re-derive versions the log has but the checkpoint does not, and prove they match."""
         assert self.model is not None
+        # A version's metrics follow its event: a trainer killed between the two left the version without
+        # them. Appended in order, so the newest metrics in the log say which re-derived versions lack them.
+        newest = await last_event_on(self.log, METRICS.name, run_subject(self.run_id, Kind.METRICS, "trainer"))
+        metrics_through = (
+            newest.event.version if newest is not None and isinstance(newest.event, TrainerMetrics) else -1
+        )
         while self.version < head:
             version = self.version + 1
             event, batch, quarantined = await batch_from_lineage(self.log, self.blobs, self.run_id, version)
@@ -267,8 +276,22 @@ class Trainer:
             # The guard's windows refill from the re-derived updates; what it had flagged going into each
             # is what the lineage says was quarantined (its events were appended when the version was made).
             self._restore_flagged(quarantined)
-            self._judge(version, batch, metrics)
-            log.info("re-derived version from lineage", version=version)
+            changes = self._judge(version, batch, metrics)
+            if version > metrics_through:
+                metrics.overall["rederived"] = 1.0  # computed again on restart (no publish timings)
+                await self.log.append(
+                    TrainerMetrics(
+                        run_id=self.run_id,
+                        step=self.step,
+                        version=version,
+                        metrics=metrics.overall,
+                        per_group=metrics.per_group,
+                        per_island=metrics.per_island,
+                    )
+                )
+                for change in changes:
+                    await self.log.append(change.event(self.run_id))
+            log.info("re-derived version from lineage", version=version, metrics_appended=version > metrics_through)
 
     # ---------------------------------------------------------------- the loop
 
