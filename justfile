@@ -27,7 +27,7 @@ apply:
 
 # the default suite: unit + integration against real servers, no slow or GPU tests
 test *ARGS:
-    python -m pytest -m "not slow and not gpu" {{ARGS}}
+    python -m pytest -m "not slow and not gpu" --durations=25 {{ARGS}}
 
 # everything that runs on a CPU machine, slow tests included
 test-all *ARGS:
