@@ -11,9 +11,8 @@ rank sends itself right after the store stored a chosen blob (`tests/rank_fault_
 Every process a test starts is killed on the way out: a job's processes are found by their environment,
 since torchrun starts each rank in a session of its own.
 
-Holes this found, each first committed as an xfail(strict) test naming it, are noted in the test that
-covers them ("Was: ..."); one stays open and xfail (the metrics of a version whose trainer died between
-the version's event and its metrics)."""
+Holes this found, each first committed as an xfail(strict) test naming it and since fixed, are noted in
+the test that covers them ("Was: ...")."""
 
 from __future__ import annotations
 
@@ -998,18 +997,12 @@ async def test_a_restored_checkpoint_is_checked_against_its_version_before_train
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="Trainer._publish_version appends a version's TrainerMetrics (and its drift events) after the "
-    "version's event; a trainer killed in between restarts past that version (it is in the chain: re-derived "
-    "or restored, never published again) and nothing appends them: version 3 of this run has no metrics. "
-    "The single-process trainer shares the path",
-)
 async def test_rank_0_killed_between_a_version_and_its_metrics_loses_no_metrics(
     event_log, settings, model_dir, reference, tmp_path
 ):
     """Rank 0 SIGKILLs itself right after the log acknowledged v3's event: the job restarts and finishes the
-    one-process chain, and every version's metrics are in the log once (none lost, none twice)."""
+    one-process chain, and every version's metrics are in the log once (none lost, none twice). Was: v3's
+    TrainerMetrics never appended (the restart re-derived v3 without them; one process shares the path)."""
     run_id = await _new_run(event_log, settings, model_dir, 2 * VERSIONS)
     env = _env(settings, run_id, model_dir, ranks=2, max_restarts=1, kill_after_append="0:.policy.v3")
     with Job(CMD, env, run_id, tmp_path / "job.log") as job:
