@@ -294,8 +294,9 @@ CONSUMERS: tuple[DurableConsumer, ...] = (
         for stream in STREAMS
     ),
 )
-"""Every durable consumer of a run. The trainer and the monitor read with ephemeral, ordered
-consumers from positions they keep themselves, so they have none here."""
+"""Every durable consumer of a run that `sprawl infra apply` declares. Long-lived readers that start
+from a position they keep themselves (the trainer's feeds, the reward worker's prompt projection)
+create their own named consumers (`follower_name`), so they have none here."""
 
 
 def consumers_of_run(run_id: str) -> tuple[RunConsumer, ...]:
