@@ -44,6 +44,12 @@ class Lineage(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_def
     part of the computation, so a trainer restarted with another count cannot re-derive the version bit
     for bit and refuses, naming both. None: written before the field (one slice)."""
 
+    ranks: int | None = None
+    """How many ranks summed those slices' gradients. With three or more slices the order of the sum
+    depends on it (2 ranks x 4 slices: (s0+s2)+(s1+s3); one process: ((s0+s1)+s2)+s3), so a trainer of
+    another number of ranks cannot re-derive the version bit for bit and refuses, naming both. None:
+    written before the field, or by one process (omitted, so such blobs are byte-identical to older ones)."""
+
     def trajectory_ids(self) -> list[str]:
         return [m.trajectory_id for g in self.groups for m in g.members]
 

@@ -27,7 +27,7 @@ from tests.tiny_models import tiny_moe
 from tests.trainer_data import make_groups, publish_groups, write_initial_model
 from workers.trainer.checkpoint import latest_checkpoint
 from workers.trainer.loop import Trainer
-from workers.trainer.publishing import PublishFailed, copy_weights
+from workers.trainer.publishing import BackgroundPublisher, PublishFailed, copy_weights
 from workers.trainer.settings import TrainerSection, TrainerSettings
 
 
@@ -259,3 +259,45 @@ def test_a_snapshot_is_bit_exact_for_every_dtype_and_layout():
 def test_a_publish_depth_out_of_bounds_is_refused_naming_it(depth):
     with pytest.raises(ValidationError, match="publish_depth"):
         TrainerSection(publish_depth=depth)
+
+
+async def test_a_blocked_caller_is_kept_company_until_the_publish_lands():
+    """Blocked on a full queue (a store outage is waited out for minutes), the caller's `while_waiting`
+    runs every period: a trainer of several ranks tells the others it is alive, or their wait for its
+    next command would time out. It stops once the publish lands."""
+    release = asyncio.Event()
+    published: list[int] = []
+    beats: list[float] = []
+
+    async def publish(pending) -> None:
+        await release.wait()
+        published.append(pending.version)
+
+    async def beat() -> None:
+        beats.append(time.monotonic())
+        if len(beats) == 3:
+            release.set()
+
+    background = BackgroundPublisher(publish, 1, name="test publisher", while_waiting=beat, while_waiting_every_s=0.01)
+    task = background.start()
+    try:
+        state = {"w": torch.zeros(4)}
+        await background.submit(1, state, None)  # takes the only snapshot
+        await background.submit(2, state, None)  # waits for it: beats until the publish lands
+        after = len(beats)
+        await background.drain()
+        assert after >= 3 and published == [1, 2]
+    finally:
+        task.cancel()
+
+
+async def test_without_while_waiting_nothing_but_the_wait_runs():
+    background = BackgroundPublisher(lambda pending: asyncio.sleep(0), 1, name="test publisher")
+    task = background.start()
+    try:
+        await background.submit(1, {"w": torch.zeros(2)}, None)
+        await background.submit(2, {"w": torch.zeros(2)}, None)
+        await background.drain()
+        assert background.published == 2
+    finally:
+        task.cancel()

@@ -140,3 +140,39 @@ def test_micro_batches_that_do_not_fit_the_ranks_are_refused():
         TrainerSection(micro_batches=8, groups_per_batch=4)
     with pytest.raises(ValueError, match="a rank needs a group"):
         TrainerSection(ranks=4, groups_per_batch=2)
+
+
+@pytest.mark.parametrize(
+    ("recorded", "now", "refused"),
+    [
+        ((2, 2), (2, 1), None),  # two terms sum alike on one rank or two
+        ((1, None), (1, 1), None),
+        ((4, 2), (4, 2), None),
+        ((4, 2), (4, 1), "summed its 4 slices' gradients on 2 rank(s); this trainer has 1 rank(s)"),
+        ((4, None), (4, 2), "on 1 rank(s); this trainer has 2 rank(s)"),
+        ((3, None), (2, 2), "computed in 3 slice(s); this trainer cuts batches into 2"),
+        ((None, None), (2, 2), "computed in 1 slice(s)"),
+    ],
+)
+def test_a_version_summed_in_another_order_is_refused_naming_slices_and_ranks(recorded, now, refused):
+    """With three or more slices the order of the gradient sum depends on the number of ranks (2 ranks x
+    4 slices: (s0+s2)+(s1+s3); one process: ((s0+s1)+s2)+s3): a re-derivation on another count would
+    be refused only at its root hash, naming nothing. The lineage records both; the check names them."""
+    from schemas.lineage import Lineage
+    from workers.trainer.recovery import RecoveryMismatch, check_same_summation
+
+    lineage = Lineage(version=7, groups=[], slices=recorded[0], ranks=recorded[1])
+    if refused is None:
+        check_same_summation(lineage, *now)
+        return
+    with pytest.raises(RecoveryMismatch) as failure:
+        check_same_summation(lineage, *now)
+    assert refused in failure.value.message and "version 7" in failure.value.message
+    assert "trainer.ranks" in str(failure.value.hint) or "trainer.micro_batches" in str(failure.value.hint)
+
+
+def test_lineage_of_one_process_is_byte_identical_to_one_written_before_the_ranks_field():
+    from schemas.lineage import Lineage, encode_lineage
+
+    assert b"ranks" not in encode_lineage(Lineage(version=1, groups=[], slices=2))
+    assert b'"ranks":2' in encode_lineage(Lineage(version=1, groups=[], slices=2, ranks=2))

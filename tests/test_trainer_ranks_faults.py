@@ -1019,15 +1019,6 @@ async def test_rank_0_killed_between_a_version_and_its_metrics_loses_no_metrics(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="PR_SET_PDEATHSIG is set on torchrun only (launch._die_with_parent): torchrun SIGKILLed (the OOM "
-    "killer's choice, a kill -9 of the wrong pid) leaves both ranks running, in sessions of their own, rank 0 "
-    "renewing the lease and telling rank 1 to keep waiting; the launcher exits 247 (-9) and a supervisor "
-    "restarts it beside them. Fix: each rank sets PR_SET_PDEATHSIG=SIGTERM itself as it starts under torchrun "
-    "(run_trainer, before init_ranks; then check os.getppid() is still torchrun's pid, the parent may already "
-    "be gone): rank 0 stops as on any SIGTERM and tells the followers, which ignore SIGTERM, to return",
-)
 async def test_sigkill_of_torchrun_takes_its_ranks_with_it(event_log, settings, model_dir, tmp_path):
     """As for the launcher above, one level down: torchrun SIGKILLed, its ranks must go."""
     run_id = await _new_run(event_log, settings, model_dir, 2)
@@ -1051,15 +1042,6 @@ async def test_sigkill_of_torchrun_takes_its_ranks_with_it(event_log, settings, 
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="launch.launch_ranks returns 0 whenever it forwarded a stop signal and torchrun exited non-zero "
-    "(torchrun's own SignalException is exit 1 whatever the ranks did): a stop whose drain failed (here: the "
-    "store down past blobs.outage_patience_s, `publishing policy version 2 failed`, rank 0 exit 2) exits 0, "
-    "which a supervisor reads as finished; one process exits 2 in the same case. Fix: tell the launcher how "
-    "rank 0 ended, e.g. an env var naming a result file that rank 0 writes on a clean stop (or its error), "
-    "and return 0 only for a clean stop",
-)
 async def test_a_stop_whose_last_versions_cannot_be_published_exits_non_zero(event_log, settings, model_dir, tmp_path):
     """SIGTERM while the store is down: rank 0 drains, the publish fails past the patience. The stop did
     not publish every computed version: the exit says so, as one process's does."""
@@ -1087,17 +1069,6 @@ is waited out."""
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="rank 0 waits out a store outage for blobs.outage_patience_s (its publish, then its loop on the full "
-    "publish queue), while rank 1 waits for it in two collectives bounded by trainer.collective_timeout_s: "
-    "the next command's broadcast (follow_leader; the keep-waiting command is sent only when there is no "
-    "batch) and the parts' gather on the publish group. With the timeout under the patience, an outage the "
-    "store settings promise to ride out kills the job (`Timed out waiting 5000ms for recv operation to "
-    "complete`, 16 s into a 60 s patience); the defaults (600 s against 120 s, lease_ttl_s 150 s for the "
-    "log) are safe. Fix: refuse collective_timeout_s <= max(blobs.outage_patience_s, lease_ttl_s) + a margin "
-    "at start (TrainerSettings validator), or keep the followers waiting through rank 0's waits",
-)
 async def test_a_store_outage_within_the_patience_is_ridden_out_whatever_the_collective_timeout(
     event_log, settings, model_dir, reference, tmp_path
 ):
@@ -1135,15 +1106,6 @@ async def test_a_store_outage_within_the_patience_is_ridden_out_whatever_the_col
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="the lineage records the slices (8859fde) but not the number of ranks, and the same slices summed "
-    "on another number of ranks are other bits past two terms (2 ranks x 4 slices: (s0+s2)+(s1+s3); one "
-    "process: ((s0+s1)+s2)+s3): one process re-deriving a 2-rank run of micro_batches 4 passes the slice "
-    "check and is refused at v2 with `the update is not deterministic or the inputs changed`, naming no count. "
-    "Fix: record the world size beside the slices and refuse a different one up front (except one and two "
-    "ranks with two slices, which sum the same two terms), naming both",
-)
 async def test_a_job_restarted_with_other_ranks_and_the_same_slices_is_refused_naming_them(
     event_log, settings, model_dir, tmp_path
 ):

@@ -46,6 +46,8 @@ class RankContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     publish_group: Any = None
     """A second process group for the publish thread, whose collectives run beside the training's."""
+    storage_group: Any = None
+    """A third, for the collectives of a sharded checkpoint that follow each rank's own uploads."""
 
     @property
     def distributed(self) -> bool:
@@ -60,8 +62,9 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ)
 
 
-def init_ranks(device: str, timeout_s: float) -> RankContext:
-    """Join the process group torchrun describes (gloo on CPU, NCCL on CUDA)."""
+def init_ranks(device: str, timeout_s: float, store_wait_s: float = 0.0) -> RankContext:
+    """Join the process group torchrun describes (gloo on CPU, NCCL on CUDA). `store_wait_s`: how long
+    one rank's write to the blob store may wait out an outage (`blob_store_wait_s`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -85,10 +88,25 @@ def init_ranks(device: str, timeout_s: float) -> RankContext:
     else:
         dist.init_process_group(backend, timeout=timeout)
     # Gloo for the publish thread on every device: it only ships small objects and the parts' gathers,
-    # and a separate group keeps its collectives from interleaving with the training's.
-    publish_group = dist.new_group(backend="gloo", timeout=timeout)
+    # and a separate group keeps its collectives from interleaving with the training's. Its collectives
+    # (and a checkpoint's, on a third group) come right after each rank's own uploads, and every rank
+    # waits out an unavailable store on its own (with its own backoff): a peer may arrive that much
+    # later without anything being wrong.
+    after_uploads = datetime.timedelta(seconds=timeout_s + store_wait_s)
+    publish_group = dist.new_group(backend="gloo", timeout=after_uploads)
+    storage_group = dist.new_group(backend="gloo", timeout=after_uploads)
     log.info("trainer rank joined", rank=rank, world_size=world, backend=backend, device=str(torch_device))
-    return RankContext(rank=rank, world_size=world, device=torch_device, publish_group=publish_group)
+    return RankContext(
+        rank=rank, world_size=world, device=torch_device, publish_group=publish_group, storage_group=storage_group
+    )
+
+
+def blob_store_wait_s(outage_patience_s: float) -> float:
+    """The longest one write to the blob store may take while the store is down: the patience, then
+    one more backoff before the attempt that gives up or lands."""
+    from pipeline.blobstore.outage import MAX_RETRY_S
+
+    return outage_patience_s + MAX_RETRY_S
 
 
 def rank_device(name: str, local_rank: int) -> torch.device:

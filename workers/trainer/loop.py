@@ -65,8 +65,15 @@ from workers.trainer.checkpoint import (
     save_checkpoint,
     save_sharded_checkpoint,
 )
-from workers.trainer.distributed import RankContext, init_ranks, launched_by_torchrun, rank_device
+from workers.trainer.distributed import (
+    RankContext,
+    blob_store_wait_s,
+    init_ranks,
+    launched_by_torchrun,
+    rank_device,
+)
 from workers.trainer.drift_guard import DriftChange, DriftGuard
+from workers.trainer.launch import die_with_torchrun, report_clean_stop
 from workers.trainer.publishing import BackgroundPublisher, Pending
 from workers.trainer.ranks import (
     RankPublisher,
@@ -78,10 +85,11 @@ from workers.trainer.ranks import (
 )
 from workers.trainer.recovery import (
     RecoveryMismatch,
-    batch_from_lineage,
     check_rederived,
+    check_same_summation,
     put_lineage,
     read_lineage,
+    recorded_batch,
 )
 from workers.trainer.settings import TrainerSettings
 from workers.trainer.update import UpdateMetrics, slice_count
@@ -155,7 +163,13 @@ class Trainer:
         self.guard = DriftGuard(self.cfg.drift)
         """Per-island KL against the fleet's; with `drift.quarantine`, whose trajectories leave the loss."""
         self.background: BackgroundPublisher[_VersionJob] = BackgroundPublisher(
-            self._publish_version, self.cfg.publish_depth, name="the trainer's publisher"
+            self._publish_version,
+            self.cfg.publish_depth,
+            name="the trainer's publisher",
+            # Blocked on publishing (a store outage is waited out for minutes), rank 0 sends no command:
+            # the other ranks, waiting for the next one in a collective, must hear it is alive.
+            while_waiting=self._keep_followers_waiting if self.ctx.distributed else None,
+            while_waiting_every_s=self.cfg.collective_timeout_s / 8,
         )
 
     # ---------------------------------------------------------------- setup
@@ -253,14 +267,9 @@ class Trainer:
         )
         while self.version < head:
             version = self.version + 1
-            event, batch, quarantined = await batch_from_lineage(self.log, self.blobs, self.run_id, version)
-            recorded = (await read_lineage(self.log, self.blobs, self.run_id, version))[1].slices or 1
-            if recorded != self.slices:
-                raise RecoveryMismatch(
-                    f"version {version} was computed in {recorded} slice(s); this trainer cuts batches into"
-                    f" {self.slices} (trainer.micro_batches, or one per rank): it cannot re-derive it bit for bit",
-                    hint=f"restart with trainer.micro_batches = {recorded} (and a number of ranks dividing it)",
-                )
+            event, lineage = await read_lineage(self.log, self.blobs, self.run_id, version)
+            check_same_summation(lineage, self.slices, self.ctx.world_size)
+            batch, quarantined = await recorded_batch(self.log, lineage), frozenset(lineage.quarantined_islands)
             if self.signing_key is not None:
                 # A version in the chain that this trainer's key did not sign was forged: re-deriving on
                 # top of it would fork what islands serve, so the trainer stops and says which.
@@ -380,7 +389,9 @@ class Trainer:
         assert self.publisher is not None
         job, version = pending.job, pending.version
         started = time.perf_counter()
-        lineage = await put_lineage(self.blobs, self.run_id, version, job.batch, job.quarantined, self.slices)
+        lineage = await put_lineage(
+            self.blobs, self.run_id, version, job.batch, job.quarantined, self.slices, self.ctx.world_size
+        )
         await self.publisher.publish(
             version,
             pending.weights,
@@ -555,8 +566,15 @@ async def run_trainer(settings: TrainerSettings) -> None:
     connected to the log."""
     warm_in_background()  # its first patch is encoded after version 0
     ctx = RankContext()
-    if launched_by_torchrun():
-        ctx = init_ranks(settings.trainer.device, settings.trainer.collective_timeout_s)
+    torchrun = launched_by_torchrun()
+    if torchrun:
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is this rank's parent
+            die_with_torchrun()
+        ctx = init_ranks(
+            settings.trainer.device,
+            settings.trainer.collective_timeout_s,
+            blob_store_wait_s(settings.blobs.outage_patience_s),
+        )
         if not ctx.is_leader:
             # Rank 0 decides when the job stops (after publishing every computed version) and tells the
             # others; torchrun's SIGTERM to every rank would otherwise cut their last parts short.
@@ -572,3 +590,5 @@ async def run_trainer(settings: TrainerSettings) -> None:
         await Trainer(settings, event_log, open_blob_store(settings.blobs), ctx).run(stop)
 
     await run_connected(settings, "trainer", body)
+    if torchrun:
+        report_clean_stop()

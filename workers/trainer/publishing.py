@@ -112,11 +112,22 @@ class BackgroundPublisher(Generic[Job]):
     """Versions captured by `submit`, published in order by `run` (a task that lives as long as the
     trainer), at most `depth` of them captured and not yet appended."""
 
-    def __init__(self, publish: Callable[[Pending[Job]], Awaitable[None]], depth: int, name: str):
-        """`name`: the part's name in errors, and the name of the task `start` makes."""
+    def __init__(
+        self,
+        publish: Callable[[Pending[Job]], Awaitable[None]],
+        depth: int,
+        name: str,
+        while_waiting: Callable[[], Awaitable[None]] | None = None,
+        while_waiting_every_s: float = 1.0,
+    ):
+        """`name`: the part's name in errors, and the name of the task `start` makes. `while_waiting`:
+        called every `while_waiting_every_s` while the caller is blocked (a trainer of several ranks
+        tells the others it is alive: a store outage can block it for minutes)."""
         if depth < 1:
             raise ValueError("depth must be at least 1")
         self._publish = publish
+        self._while_waiting = while_waiting
+        self._while_waiting_every_s = while_waiting_every_s
         self.name = name
         self.depth = depth
         self._free: asyncio.Queue[dict[str, torch.Tensor]] = asyncio.Queue()
@@ -186,9 +197,16 @@ class BackgroundPublisher(Generic[Job]):
         wait that was not instant."""
         started = time.perf_counter()
         self.waiting = True
+        task = asyncio.ensure_future(awaitable)
         try:
-            return await awaitable
+            while True:
+                await asyncio.wait({task}, timeout=self._while_waiting_every_s if self._while_waiting else None)
+                if task.done():
+                    return task.result()
+                assert self._while_waiting is not None
+                await self._while_waiting()
         finally:
+            task.cancel()  # the caller was cancelled (a no-op once it is done)
             self.waiting = False
             waited = time.perf_counter() - started
             if waited > 0.001:

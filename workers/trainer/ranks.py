@@ -187,7 +187,8 @@ class RankTraining:
                 ref = self.blobs.put_file(path, f"{prefix}/{path.name}")
                 files.append({"name": path.name, "uri": ref.uri, "sha256": ref.checksum, "bytes": ref.bytes})
         gathered: list[Any] | None = [None] * self.ctx.world_size if self.ctx.is_leader else None
-        dist.gather_object(files, gathered, dst=0)
+        # On the storage group: each rank's uploads may wait out a store outage apart from the others'.
+        dist.gather_object(files, gathered, dst=0, group=self.ctx.storage_group)
         if not self.ctx.is_leader:
             return None
         assert gathered is not None

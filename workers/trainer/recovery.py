@@ -50,11 +50,13 @@ async def put_lineage(
     batch: list[GroupBatchItem],
     quarantined: frozenset[str] = frozenset(),
     slices: int | None = None,
+    ranks: int = 1,
 ) -> BlobRef:
     """Write the lineage blob; its uri and sha256 go into the (signed) version event."""
     lineage = Lineage(
         version=version,
         slices=slices,
+        ranks=ranks if ranks > 1 else None,
         quarantined_islands=sorted(quarantined),
         groups=[
             LineageGroup(
@@ -87,6 +89,32 @@ async def batch_from_lineage(event_log: EventLog, blobs: BlobStore, run_id: str,
     """The version's event, the exact batch it was trained on and the islands quarantined in that
     update, read back from the log."""
     event, lineage = await read_lineage(event_log, blobs, run_id, version)
+    batch = await recorded_batch(event_log, lineage)
+    return RecordedBatch(event, batch, frozenset(lineage.quarantined_islands))
+
+
+def check_same_summation(lineage: Lineage, slices: int, ranks: int) -> None:
+    """Refuse to re-derive a version whose gradients were summed in another order than this trainer
+    sums them: another number of slices, or (with three or more slices) another number of ranks."""
+    recorded_slices, recorded_ranks = lineage.slices or 1, lineage.ranks or 1
+    if recorded_slices != slices:
+        raise RecoveryMismatch(
+            f"version {lineage.version} was computed in {recorded_slices} slice(s); this trainer cuts batches"
+            f" into {slices} (trainer.micro_batches, or one per rank): it cannot re-derive it bit for bit",
+            hint=f"restart with trainer.micro_batches = {recorded_slices} (and a number of ranks dividing it)",
+        )
+    if slices > 2 and recorded_ranks != ranks:
+        # Two terms sum the same in either order; three or more are summed per rank first, then across.
+        raise RecoveryMismatch(
+            f"version {lineage.version} summed its {slices} slices' gradients on {recorded_ranks} rank(s); this"
+            f" trainer has {ranks} rank(s), which sum them in another order: it cannot re-derive it bit for bit",
+            hint=f"restart with trainer.ranks = {recorded_ranks} until the next checkpoint covers the chain's head",
+        )
+
+
+async def recorded_batch(event_log: EventLog, lineage: Lineage) -> list[GroupBatchItem]:
+    """The exact batch a lineage names, its trajectories and rewards read back from the log."""
+    version = lineage.version
     batch = []
     for group in lineage.groups:
         trajectories, rewards, tseqs, rseqs = [], [], [], []
@@ -103,7 +131,7 @@ async def batch_from_lineage(event_log: EventLog, blobs: BlobStore, run_id: str,
             tseqs.append(tseq)
             rseqs.append(rseq)
         batch.append(GroupBatchItem(group.group_id, trajectories, rewards, tseqs, rseqs))
-    return RecordedBatch(event, batch, frozenset(lineage.quarantined_islands))
+    return batch
 
 
 def view_digests(
