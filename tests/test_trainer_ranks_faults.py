@@ -1020,7 +1020,9 @@ async def test_rank_0_killed_between_a_version_and_its_metrics_loses_no_metrics(
 
 @pytest.mark.slow
 async def test_sigkill_of_torchrun_takes_its_ranks_with_it(event_log, settings, model_dir, tmp_path):
-    """As for the launcher above, one level down: torchrun SIGKILLed, its ranks must go."""
+    """As for the launcher above, one level down: torchrun SIGKILLed, its ranks must go. Was: both ranks
+    ran on in sessions of their own, rank 0 renewing the lease beside the launcher's next torchrun
+    (PR_SET_PDEATHSIG was set on torchrun only)."""
     run_id = await _new_run(event_log, settings, model_dir, 2)
     env = _env(settings, run_id, model_dir, ranks=2, max_restarts=2, max_versions=10, lease_ttl_s=20)
     with Job(CMD, env, run_id, tmp_path / "job.log") as job:
@@ -1044,7 +1046,9 @@ async def test_sigkill_of_torchrun_takes_its_ranks_with_it(event_log, settings, 
 @pytest.mark.slow
 async def test_a_stop_whose_last_versions_cannot_be_published_exits_non_zero(event_log, settings, model_dir, tmp_path):
     """SIGTERM while the store is down: rank 0 drains, the publish fails past the patience. The stop did
-    not publish every computed version: the exit says so, as one process's does."""
+    not publish every computed version: the exit says so, as one process's does. Was: exit 0 (torchrun
+    ends any forwarded stop with exit 1, which the launcher read as a stop), so a supervisor took a
+    failed drain for a finished job."""
     from tests.servers import server_stopped
 
     run_id = await _new_run(event_log, settings, model_dir, 2 * VERSIONS)
@@ -1074,7 +1078,9 @@ async def test_a_store_outage_within_the_patience_is_ridden_out_whatever_the_col
 ):
     """trainer.collective_timeout_s 5 s, blobs.outage_patience_s 60 s: either the job refuses the pair at
     start, naming the timeout, or it rides out a 10 s outage (measured by six of its own lease renewals,
-    lease_ttl_s / 4 = 2 s each) with the same ranks and finishes the one-process chain."""
+    lease_ttl_s / 4 = 2 s each) with the same ranks and finishes the one-process chain. Was: killed 16 s
+    into the outage (`Timed out waiting 5000ms`): rank 0, blocked on its full publish queue, sent no
+    command, and the parts' gather after each rank's own uploads had the same 5 s bound."""
     from tests.servers import server_stopped
 
     run_id = await _new_run(event_log, settings, model_dir, 2 * VERSIONS)
@@ -1109,6 +1115,8 @@ async def test_a_store_outage_within_the_patience_is_ridden_out_whatever_the_col
 async def test_a_job_restarted_with_other_ranks_and_the_same_slices_is_refused_naming_them(
     event_log, settings, model_dir, tmp_path
 ):
+    """Four slices summed on two ranks are other bits than on one. Was: the lineage named the slices only,
+    and one process re-deriving the run failed at v2 with a generic non-determinism error."""
     run_id = await _new_run(event_log, settings, model_dir, 16)
     shape = {"groups_per_batch": 4, "micro_batches": 4, "checkpoint_every": 100, "learning_rate": 1e-3}
     env = _env(settings, run_id, model_dir, ranks=2, max_restarts=0, max_versions=3, **shape)
