@@ -494,7 +494,8 @@ class EventLog:
         try:
             event = decode_event(data)
         except EventDecodeError as exc:
-            raise PoisonEvent(str(exc), error_class=exc.category) from exc
+            # The category is the dead letter's error class: the reason does not repeat it.
+            raise PoisonEvent(exc.message, error_class=exc.category) from exc
         if not isinstance(event, ClaimCheck):
             return _on_its_subject(event, subject)
         if self.blobs is None:
@@ -521,7 +522,7 @@ class EventLog:
         try:
             inner = decode_event(body)
         except EventDecodeError as exc:
-            raise PoisonEvent(f"claim-checked body: {exc}", error_class=exc.category) from exc
+            raise PoisonEvent(f"claim-checked body: {exc.message}", error_class=exc.category) from exc
         if type(inner).type_tag() != event.event_type or inner.event_id != event.event_id:
             raise PoisonEvent(
                 f"claim check {event.uri} promised {event.event_type} {event.event_id}, "

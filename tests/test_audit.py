@@ -114,7 +114,8 @@ async def test_archive_sql_audits_and_report(event_log, settings, model_dir, tmp
         ).fetchone()
         assert rows == (n, n), stream
     assert con.sql("SELECT count(*) FROM trajectories").fetchone()[0] == 16
-    assert con.sql("SELECT reason FROM undecodable").fetchone()[0].startswith("malformed")
+    error_class, reason = con.sql("SELECT error_class, reason FROM undecodable").fetchone()
+    assert error_class == "malformed" and reason.startswith("not a JSON event object"), (error_class, reason)
     # The junk was dead-lettered by the archiver itself (nobody else reads that subject's stream here).
     refused = con.sql(
         "SELECT stream, consumer, error_class, payload FROM dead_letters WHERE original_subject LIKE '%.traj.junk'"
