@@ -223,6 +223,10 @@ class Materialized:
     for a keyframe start): what a build proportional to the change has to write."""
     slot: str = ""
     """Which directory it was built in: `cached` (served as it was), `new`, `recycled v<N>`, `copy of v<N>`."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Where the build's time went, phase by phase: `fetch` (blobs), `stage` (a slot made ready), `apply`
+    (patches written in place), `finish` (hashes checked, renamed, `current` switched). Empty when the
+    version was served from the cache as it was."""
     pin: VersionPin | None = field(default=None, compare=False, repr=False)
     """Held when asked for (`pin=True`): the directory is not recycled until `release()`."""
 
@@ -676,6 +680,7 @@ class Materializer:
             written_bytes=written,
             changed_tensor_bytes=changed,
             slot=build.slot,
+            seconds=dict(clock.seconds),
         )
 
     def _check_coverage(self, start: tuple[str, int], edges: list[_Edge]) -> None:

@@ -64,6 +64,7 @@ async def main() -> None:
                             "route": commit.route,
                             "written_bytes": commit.written_bytes,
                             "changed_tensor_bytes": commit.changed_tensor_bytes,
+                            "build_s": commit.build_s,
                         }
                     ),
                     flush=True,

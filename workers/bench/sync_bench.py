@@ -212,6 +212,7 @@ async def _one_run(
     event0 = await publisher.publish(0, state)
     islands = await _start_islands(settings, run_id, count, tmp / run_id, link_mbps, public_key_text(key))
     latencies, pauses, verified = [], [], True
+    profiles: list[dict[str, float]] = []
     written = changed = 0
     try:
         await wait_all(islands, 0)
@@ -233,6 +234,7 @@ async def _one_run(
                 record = island.commits[version]
                 latencies.append(record["committed_at"] - appended)
                 pauses.append(record["pause_s"])
+                profiles.append(_profile(record["committed_at"] - appended, record))
                 verified &= record["root_hash"] == event.views[0].root_hash
                 written += record.get("written_bytes", 0)
                 changed += record.get("changed_tensor_bytes", 0)
@@ -253,7 +255,29 @@ async def _one_run(
         "parameters": sum(t.numel() for t in state.values()),
         "written_bytes": written,
         "changed_tensor_bytes": changed,
+        "profiles": profiles,
     }
+
+
+BUILD_PHASES = ("fetch", "stage", "apply", "finish")
+"""`Materialized.seconds`: blobs fetched, a slot made ready, patches applied in place, hashes checked
+and the slot switched in."""
+
+
+def _profile(total_s: float, record: dict) -> dict[str, float]:
+    """Where one version's trip to one island went: the build's phases, the engine's load, and the rest
+    (`other`: noticing the event, checking its signature, planning the route, scheduling)."""
+    build = {phase: record.get("build_s", {}).get(phase, 0.0) for phase in BUILD_PHASES}
+    engine = record["pause_s"]
+    return {"total": total_s, **build, "engine_load": engine, "other": total_s - sum(build.values()) - engine}
+
+
+def median_profile(profiles: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each part over versions and islands (the parts' medians need not sum to the
+    total's)."""
+    if not profiles:
+        return {}
+    return {part: round(statistics.median(p[part] for p in profiles), 4) for part in profiles[0]}
 
 
 async def _scaling(settings, event_log, quick: bool, versions: int, tmp: Path) -> dict:
@@ -333,12 +357,19 @@ async def _measure(settings, quick: bool, link_mbps: float) -> tuple[list[dict],
         ),
         "patch_written_bytes_per_version": sum(r["written_bytes"] for r in patch_rows)
         // sum(r["islands"] * versions for r in patch_rows),
+        # A profile of the patch path: where a version's time goes, island by island.
+        "patch_profile_p50_s": median_profile(
+            [p for r in patch_rows if r["link"] == "loopback" for p in r["profiles"]]
+        ),
+        "wan_patch_profile_p50_s": median_profile(
+            [p for r in patch_rows if r["link"] != "loopback" for p in r["profiles"]]
+        ),
         **scaling,
     }
     summary["verified"] = summary["verified"] and all(s["verified"] for s in scaling["scaling"].values())
     table = [
         {
-            **{k: v for k, v in r.items() if k not in ("parameters", "changed_tensor_bytes")},
+            **{k: v for k, v in r.items() if k not in ("parameters", "changed_tensor_bytes", "profiles")},
             "p50_s": f"{r['p50_s']:.3f}",
             "max_s": f"{r['max_s']:.3f}",
             "pause_p50_s": f"{r['pause_p50_s']:.4f}",

@@ -28,7 +28,7 @@ import re
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import nats.errors
 
@@ -128,6 +128,8 @@ class CommitRecord:
     """Bytes materializing it wrote to local disk (`Materialized.written_bytes`)."""
     changed_tensor_bytes: int = 0
     """Bytes of the tensors that differ from the version it was built from."""
+    build_s: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase of materializing it (`Materialized.seconds`)."""
 
 
 class IslandStats:
@@ -383,6 +385,7 @@ class Island:
                 got.route,
                 written_bytes=got.written_bytes,
                 changed_tensor_bytes=got.changed_tensor_bytes,
+                build_s=got.seconds,
             )
         )
         self.head = got.version if self.head is None else max(self.head, got.version)
