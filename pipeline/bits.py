@@ -83,6 +83,24 @@ def _numpy_signed(dtype: torch.dtype) -> np.dtype:
     }[dtype]
 
 
+_EXPONENT_BITS = {"BF16": 0x7F80, "F16": 0x7C00, "F32": 0x7F800000, "F64": 0x7FF0000000000000}
+"""The exponent field of each IEEE dtype: all ones is an inf or a NaN."""
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No inf and no NaN in `tensor` (True for a tensor that is not floating point). IEEE dtypes on the
+    CPU are scanned by a compiled kernel over their bits (a served version is checked every commit);
+    others by torch."""
+    if not tensor.is_floating_point():
+        return True
+    name = _BY_TORCH.get(tensor.dtype)
+    if name not in _EXPONENT_BITS or tensor.device.type != "cpu":
+        return bool(torch.isfinite(tensor).all())
+    from pipeline.codec.kernels import any_exponent_all_ones
+
+    return not any_exponent_all_ones(to_bits(tensor), np.uint64(_EXPONENT_BITS[name]))
+
+
 def checksum(bits: np.ndarray) -> str:
     """xxh3-128 of the raw bytes, hex."""
     return xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(bits)).cast("B"))

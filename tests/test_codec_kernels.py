@@ -4,6 +4,7 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -197,3 +198,35 @@ def test_warm_compiles_every_width_without_error():
     from pipeline.codec.warm import warm
 
     warm()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_all_finite_agrees_with_torch_on_every_16_bit_pattern(dtype):
+    """The engines refuse a version holding an inf or a NaN (any payload, either sign) with this check,
+    which reads bits instead of converting: every one of the 65536 patterns, alone in a tensor of finite
+    values, is judged as torch.isfinite judges it."""
+    from pipeline.bits import all_finite
+
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = torch.isfinite(patterns)
+    filler = torch.ones(64, dtype=dtype)
+    for i in torch.nonzero(~finite).flatten().tolist() + torch.nonzero(finite).flatten()[::97].tolist():
+        tensor = filler.clone()
+        tensor[17] = patterns[i]
+        assert all_finite(tensor) == bool(finite[i]), hex(i)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_all_finite_finds_an_inf_or_nan_anywhere_in_wide_and_strided_tensors(dtype):
+    from pipeline.bits import all_finite
+
+    values = torch.randn(300, 7, dtype=dtype)
+    assert all_finite(values) and all_finite(values.t())
+    info = torch.finfo(dtype)
+    assert all_finite(torch.tensor([info.max, -info.max, info.tiny, info.tiny / 4, -0.0], dtype=dtype))
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for at in (0, 1049, 2099):
+            broken = values.clone()
+            broken.view(-1)[at] = bad
+            assert not all_finite(broken) and not all_finite(broken.t()), (bad, at)
+    assert all_finite(torch.arange(5))  # not floating point: nothing to check

@@ -277,3 +277,14 @@ def apply_dense(segment: np.ndarray, planes: np.ndarray, at: int, kind: int, wid
         new = _inverse(kind, old, v, full, sign_shift, magnitude)
         if new != old:
             segment[i] = new
+
+
+@njit(nogil=True, cache=True)
+def any_exponent_all_ones(words: np.ndarray, exponent: np.uint64) -> bool:
+    """Does any element of `words` (an unsigned view of IEEE floats) have every exponent bit set (an inf
+    or a NaN)? One pass, no temporary: torch.isfinite(t).all() on bf16 allocates a mask and converts,
+    0.4 s for 57.7M elements against 0.03 s here."""
+    for i in range(words.shape[0]):  # noqa: SIM110 (a generator inside a numba kernel would not compile)
+        if (_U64(words[i]) & exponent) == exponent:
+            return True
+    return False

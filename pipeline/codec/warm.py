@@ -29,6 +29,12 @@ def warm() -> None:
                 patch = encode(base, target, chunk_elements=chunk_elements)
                 apply(patch, base)
         apply(encode(None, target), None)
+    import torch
+
+    from pipeline.bits import all_finite
+
+    for float_dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        all_finite(torch.zeros(4, dtype=float_dtype))  # the engines' check of every version they load
 
 
 def warm_in_background() -> threading.Thread:

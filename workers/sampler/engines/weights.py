@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 from safetensors import safe_open
 
+from pipeline.bits import all_finite
 from pipeline.errors import SprawlError
 from pipeline.keyframe import INDEX_FILE
 from pipeline.moe_families import LEGACY_LAYOUT, ExpertLayout, expert_layout
@@ -187,7 +188,7 @@ def to_compute_dtype(
             continue
         values = _dequantize(name, tensor, tensors, fault)
         out[name] = (values if values is not None else tensor).to(dtype)
-        if out[name].is_floating_point() and not bool(torch.isfinite(out[name]).all()):
+        if not all_finite(out[name]):
             raise UnservableWeights(f"{name} holds a non-finite value once dequantized to {dtype}")
     return out
 
