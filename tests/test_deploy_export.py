@@ -189,3 +189,23 @@ def test_the_default_signing_key_is_up_s_and_the_namespace_the_overlay_s(tmp_pat
     assert (export.directory / "sprawl-trainer" / "signing-key.pem").read_bytes() == (
         signing_key_path(tmp_path / "state").read_bytes()
     )
+
+
+def test_every_deploy_file_the_commands_read_is_package_data():
+    """`sprawl stack export-kubernetes` and the manifest checks read the manifests beside their modules:
+    a wheel install (the image's `pip install .`) must carry every one, or the commands fail there."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for package, folder, suffixes in (
+        ("infra.deploy", root / "infra" / "deploy", {".yaml", ".json"}),
+        ("infra.image", root / "infra" / "image", {".sh"}),
+    ):
+        covered = {p for pattern in data[package] for p in folder.glob(pattern)}
+        wanted = {p for p in folder.rglob("*") if p.suffix in suffixes}
+        assert wanted and wanted <= covered, sorted(str(p.relative_to(root)) for p in wanted - covered)
+    assert (root / "infra/deploy/modal/islands.py") in {
+        p for pattern in data["infra.deploy"] for p in (root / "infra/deploy").glob(pattern)
+    }
