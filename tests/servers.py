@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -168,9 +169,26 @@ def server_stopped(settings: StackSettings, name: str):
     pid = next(s.pid for s in status.servers if s.name == name)
     os.kill(pid, signal.SIGSTOP)
     try:
+        _until_every_thread_stopped(pid)
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def _until_every_thread_stopped(pid: int) -> None:
+    """A SIGSTOP reaches each thread of the server as the kernel next schedules it: on a loaded machine
+    one may still answer a request sent right after kill() returned (seen with four suites on two
+    cores: an append meant to time out was acknowledged). The stall begins when every thread shows `T`."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
+        if states and all(state in ("T", "t") for state in states):
+            return
+        assert time.monotonic() < deadline, f"hang guard: pid {pid} not stopped ({states})"
+        time.sleep(0.01)
 
 
 def connection_env(settings: StackSettings, role: str = "admin", run_id: str | None = None) -> dict[str, str]:
