@@ -25,13 +25,11 @@ status:
 apply:
     sprawl infra apply
 
-# the default suite: unit + integration against real servers, no slow or GPU tests. Two pytest-xdist
-# workers, a test file each at a time (its module fixtures stay in one process): most tests wait on
-# servers and child processes, so two share two cores well (15 min instead of 21 on a loaded 2-core
-# machine). Every server binds its own port and every sandbox pool leases its own uids, so the two
-# workers (or four suites at once) never share one. `just test -n 0` runs it in one process.
+# the default suite: unit + integration against real servers, no slow or GPU tests, in one process.
+# `just test -n 2 --dist loadfile` (pytest-xdist) takes about 14 instead of 17-21 minutes on two cores,
+# but twice, with other suites running at once, an xdist worker died mid-test (cause not yet found).
 test *ARGS:
-    python -m pytest -m "not slow and not gpu" -n 2 --dist loadfile --durations=25 {{ARGS}}
+    python -m pytest -m "not slow and not gpu" --durations=25 {{ARGS}}
 
 # everything that runs on a CPU machine, slow tests included
 test-all *ARGS:
