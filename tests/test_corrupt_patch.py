@@ -149,8 +149,11 @@ async def test_a_following_island_routes_around_a_corrupt_patch_through_a_skip_p
     chain = Chain(event_log, settings, patch_key(4, 3), keyframe_every=100, skip_distances=[2])
     island = await _island(event_log, settings, tmp_path, first_s=3600.0)
     try:
-        await chain.publish_to(3)
-        await _until(island, lambda: island.version == 3, "serving v3")
+        # One version at a time, so the A/B slots hold v3 (served) and v2 (standby) whatever the load:
+        # an island that sees v1..v3 at once may build v3 straight from v1, leaving v1 on standby.
+        for version in (1, 2, 3):
+            await chain.publish_to(version)
+            await _until(island, lambda v=version: island.version == v, f"serving v{version}")
         await chain.publish_to(4)
         await _until(island, lambda: island.version == 4, "serving v4")
         [corrupt] = chain.blobs.corrupted
@@ -214,6 +217,8 @@ async def test_retries_back_off_and_a_republished_blob_is_picked_up(event_log, s
     chain = Chain(event_log, settings, patch_key(2, 1), keyframe_every=100)
     island = await _island(event_log, settings, tmp_path, first_s=0.05, max_s=0.4)
     try:
+        await chain.publish_to(0)  # served alone first, so v0 is the standby slot whatever the load
+        await _until(island, lambda: island.version == 0, "serving v0")
         await chain.publish_to(3)
         [corrupt] = chain.blobs.corrupted
         failures = island.materializer.failures
