@@ -204,6 +204,10 @@ class LogSettings(Section):
     (4 to 9 s once the old leader is missed) with room to spare, before the append gives up."""
     publish_backoff_s: float = Field(0.25, ge=0)
     """First retry delay; doubles per attempt."""
+    stream_missing_grace_s: float = Field(30.0, gt=0)
+    """How long a stream or consumer that a reader has already used may be reported missing before that
+    is believed (the reader then stops loudly): a restarted nats-server answers "not found" while
+    JetStream is still restoring its streams (seen under load), which is an outage, not a deletion."""
 
 
 class StreamSettings(Section):

@@ -46,7 +46,6 @@ from pipeline.errors import (
 )
 from pipeline.eventlog import NO_ANSWER, EventLog
 from pipeline.logs import get_logger
-from pipeline.replay import STREAM_MISSING_GRACE_S
 from schemas import Event
 
 log = get_logger(__name__)
@@ -190,11 +189,11 @@ class Consumer:
     async def _missing(self, exc: Exception) -> None:
         """The server says our consumer (or its stream) does not exist. Right after a restart JetStream
         says so while it still restores them (seen under load): believed only after
-        STREAM_MISSING_GRACE_S, then ConsumerNotDeclared (fatal: nothing but `sprawl infra apply` fixes it)."""
+        `log.stream_missing_grace_s`, then ConsumerNotDeclared (fatal: nothing but `sprawl infra apply` fixes it)."""
         now = time.monotonic()
         if self._missing_since is None:
             self._missing_since = now
-        if now - self._missing_since >= STREAM_MISSING_GRACE_S:
+        if now - self._missing_since >= self.log.settings.stream_missing_grace_s:
             raise ConsumerNotDeclared(self.stream, self.durable) from exc
         log.warning(
             "the server does not report our consumer; waiting in case it is restoring its streams",

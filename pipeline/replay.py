@@ -133,10 +133,6 @@ FOLLOWER_INACTIVE_THRESHOLD_S = 300.0
 server. Longer than any outage a reader rides out, so a live reader finds its consumer again."""
 
 OUTAGE_WARNING_EVERY_S = 10.0
-STREAM_MISSING_GRACE_S = 30.0
-"""How long a stream a follower has already read from may be reported missing before that is believed:
-a restarted nats-server answers "stream not found" while JetStream is still restoring its streams
-(seen under load), which is an outage, not a deleted stream."""
 """While the log does not answer, a follower repeats its warning (with how long it has lasted) this often."""
 
 
@@ -240,9 +236,12 @@ class Follower:
                 raise StreamNotDeclared(self.subject_filter) from exc  # never there: a configuration error
             if self._missing_since is None:
                 self._missing_since = time.monotonic()
-            if time.monotonic() - self._missing_since >= STREAM_MISSING_GRACE_S:
+            if time.monotonic() - self._missing_since >= self.log.settings.stream_missing_grace_s:
                 raise StreamNotDeclared(self.subject_filter) from exc
-            await self._wait_out(exc, stop)  # a restarted server still restoring its streams
+            # a restarted server still restoring its streams (LogSettings.stream_missing_grace_s)
+            await self._wait_out(
+                exc, stop, "the server says the stream is missing; the feed waits in case it is restoring it"
+            )
             return False
         except (*NO_ANSWER, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as exc:
             _raise_if_cancelled()
@@ -355,7 +354,12 @@ class Follower:
 
     # ------------------------------------------------------------ outages
 
-    async def _wait_out(self, exc: BaseException, stop: asyncio.Event) -> None:
+    async def _wait_out(
+        self,
+        exc: BaseException,
+        stop: asyncio.Event,
+        what: str = "the log does not answer; the feed waits and resumes by itself",
+    ) -> None:
         """The log did not answer: say so (again every OUTAGE_WARNING_EVERY_S, with how long), wait, and
         re-create the consumer once it answers, from `next_seq`."""
         now = time.monotonic()
@@ -363,7 +367,7 @@ class Follower:
             self.down_since, self._warned_at = now, -math.inf
         if now - self._warned_at >= OUTAGE_WARNING_EVERY_S:
             log.warning(
-                "the log does not answer; the feed waits and resumes by itself",
+                what,
                 stream=self.stream,
                 consumer=self.name,
                 down_s=round(now - self.down_since, 1),

@@ -1,5 +1,6 @@
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 
 from pipeline.blobstore import S3BlobStore
 from pipeline.sql import open_duckdb
+from tests.servers import connection_env
 
 pytestmark = pytest.mark.integration
 
@@ -35,6 +37,12 @@ def test_sql_reads_parquet_from_the_blob_store(settings):
     assert con.execute(f"select max(kl), count(*) from read_parquet('{ref.uri}')").fetchone() == (0.4, 3)
 
 
+def _auditor(settings) -> dict[str, str]:
+    """The test stack's auditor: without it `sprawl sql` would look for a store on the default port (and
+    wait out its retries, or read a local `just up` stack's)."""
+    return os.environ | connection_env(settings, "auditor")
+
+
 def test_sql_command_line_prints_json_rows(settings):
     env_args = ["--run", settings.run_id]
     result = subprocess.run(
@@ -43,8 +51,11 @@ def test_sql_command_line_prints_json_rows(settings):
         text=True,
         timeout=60,
         check=True,
+        env=_auditor(settings),
     )
     assert json.loads(result.stdout) == [{"answer": 42}]
+    # a run with no archive yet: plain DuckDB answers, and says why the views are missing
+    assert f"run {settings.run_id} has no archive" in result.stderr
 
 
 def test_sql_table_escapes_what_could_drive_a_terminal(settings):
@@ -57,6 +68,7 @@ def test_sql_table_escapes_what_could_drive_a_terminal(settings):
         text=True,
         timeout=60,
         check=True,
+        env=_auditor(settings),
     )
     assert r"\x1B[2J\x07\x9B[bold]x[/bold]\x1B]0;pwned\x07" in result.stdout
     assert not any(ch in result.stdout for ch in "\x1b\x07\x9b")

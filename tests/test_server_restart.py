@@ -258,7 +258,8 @@ async def test_a_dead_feed_ends_the_trainer_process_non_zero_in_one_line(own_sta
     await apply(event_log.js, settings.streams, settings.run_id)
     process = subprocess.Popen(
         [sys.executable, "-m", "workers.cli", "trainer"],
-        env=_trainer_env(settings, model_dir, "t-dead-feed"),
+        # A missing stream is believed after this grace (default 30 s, for a server restoring its streams).
+        env=_trainer_env(settings, model_dir, "t-dead-feed") | {"SPRAWL_LOG__STREAM_MISSING_GRACE_S": "3"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -286,6 +287,7 @@ async def test_a_dead_feed_ends_the_trainer_process_non_zero_in_one_line(own_sta
     errors = [line for line in stderr.splitlines() if line.startswith("sprawl: error:")]
     assert len(errors) == 1, stderr[-3000:]
     assert "the trainer's trajectory feed failed: no stream captures subject" in errors[0]
+    assert "the server says the stream is missing; the feed waits" in stderr  # the grace, said while it ran
 
 
 async def test_a_lease_that_cannot_be_renewed_stops_the_trainer_before_it_expires(event_log, settings, model_dir):
