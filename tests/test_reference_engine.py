@@ -202,3 +202,40 @@ def test_experts_that_are_not_numbered_from_zero_are_refused_with_a_hint():
     with pytest.raises(CheckpointLayoutError, match=r"experts \[0, 2\]") as refused:
         fuse_experts(tensors)
     assert refused.value.hint
+
+
+def test_an_expert_of_a_shape_that_would_broadcast_is_refused_not_fused():
+    from workers.sampler.engines.weights import CheckpointLayoutError, fuse_experts
+
+    tensors = {
+        f"model.layers.0.mlp.experts.{e}.{p}.weight": torch.ones(4, 3) for e in (0, 1) for p in ("gate_proj", "up_proj")
+    }
+    tensors |= {f"model.layers.0.mlp.experts.{e}.down_proj.weight": torch.ones(3, 4) for e in (0, 1)}
+    fused = fuse_experts(tensors)
+    assert fused["model.layers.0.mlp.experts.gate_up_proj"].shape == (2, 8, 3)
+    tensors["model.layers.0.mlp.experts.1.up_proj.weight"] = torch.ones(1, 3)  # copy_ would broadcast it
+    with pytest.raises(CheckpointLayoutError, match="shapes differ"):
+        fuse_experts(tensors)
+
+
+@pytest.mark.parametrize(
+    ("stored", "value", "compute", "refused"),
+    [
+        (torch.bfloat16, float("inf"), torch.float32, True),  # widening: checked on the stored bits
+        (torch.bfloat16, float("nan"), torch.float64, True),
+        (torch.float32, 3.4e38, torch.bfloat16, True),  # finite when stored, inf once narrowed
+        (torch.float32, 70000.0, torch.float16, True),
+        (torch.float16, 65504.0, torch.bfloat16, False),  # finite either way: served, exactly
+    ],
+)
+def test_a_value_that_is_not_finite_as_served_is_refused_whichever_side_of_the_cast(stored, value, compute, refused):
+    from workers.sampler.engines.weights import UnservableWeights, to_compute_dtype
+
+    tensors = {"model.norm.weight": torch.tensor([1.0, value, -2.0]).to(stored)}
+    assert refused == (not torch.isfinite(tensors["model.norm.weight"].to(compute)).all())
+    if refused:
+        with pytest.raises(UnservableWeights, match=r"model\.norm\.weight holds a non-finite value"):
+            to_compute_dtype(tensors, compute)
+    else:
+        served = to_compute_dtype(tensors, compute)["model.norm.weight"]
+        assert torch.equal(served, tensors["model.norm.weight"].to(compute))

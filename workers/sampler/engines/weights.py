@@ -188,9 +188,22 @@ def to_compute_dtype(
             continue
         values = _dequantize(name, tensor, tensors, fault)
         out[name] = (values if values is not None else tensor).to(dtype)
-        if not all_finite(out[name]):
+        # A widening cast keeps every value, finite or not: the narrower source is checked (half the bytes
+        # of bf16 -> fp32, every commit). Anything dequantized or narrowed is checked as it will be served.
+        checked = tensor if values is None and (tensor.dtype, dtype) in _WIDENING else out[name]
+        if not all_finite(checked):
             raise UnservableWeights(f"{name} holds a non-finite value once dequantized to {dtype}")
     return out
+
+
+_WIDENING = {(d, d) for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64)} | {
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float64),
+    (torch.float16, torch.float64),
+    (torch.float32, torch.float64),
+}
+"""Casts that map every value exactly (an inf stays an inf, a NaN a NaN, nothing finite overflows)."""
 
 
 def has_quantized_weights(tensors: dict[str, torch.Tensor]) -> bool:
@@ -213,15 +226,38 @@ def fuse_experts(tensors: dict[str, torch.Tensor], layout: ExpertLayout = LEGACY
         if ids != list(range(len(ids))):
             raise CheckpointLayoutError(f"{prefix}: experts {ids} are not 0..{len(ids) - 1}")
         try:
-            out[f"{prefix}gate_up_proj"] = torch.stack(
-                [torch.cat([by_expert[e]["gate"], by_expert[e]["up"]], dim=0) for e in ids]
-            )
-            out[f"{prefix}down_proj"] = torch.stack([by_expert[e]["down"] for e in ids])
+            gate_up = [[by_expert[e]["gate"], by_expert[e]["up"]] for e in ids]
+            down = [[by_expert[e]["down"]] for e in ids]
         except KeyError as missing:
             raise CheckpointLayoutError(f"{prefix}: an expert has no {missing.args[0]} projection") from None
-        except RuntimeError as mismatch:  # experts of different shapes cannot be fused
-            raise CheckpointLayoutError(f"{prefix}: the experts' shapes differ ({mismatch})") from None
+        out[f"{prefix}gate_up_proj"] = _fused(prefix, gate_up)
+        out[f"{prefix}down_proj"] = _fused(prefix, down)
     return out
+
+
+def _fused(prefix: str, parts: list[list[torch.Tensor]]) -> torch.Tensor:
+    """`[E, sum of rows, cols]`: expert e's parts stacked along rows, written once into one tensor (a
+    cat then a stack would copy every expert weight twice, on every commit). Experts of different
+    shapes are refused: a copy into a slice would broadcast a mis-shaped one without a word."""
+    shapes = [tuple(p.shape) for p in parts[0]]
+    for e, expert in enumerate(parts):
+        if [tuple(p.shape) for p in expert] != shapes or any(p.dim() != 2 for p in expert):
+            raise CheckpointLayoutError(
+                f"{prefix}: the experts' shapes differ (expert {e}: {[tuple(p.shape) for p in expert]}, "
+                f"expert 0: {shapes})"
+            )
+        if {p.dtype for p in expert} != {parts[0][0].dtype}:
+            raise CheckpointLayoutError(f"{prefix}: the experts' dtypes differ")
+    if len({cols for _, cols in shapes}) != 1:
+        raise CheckpointLayoutError(f"{prefix}: the experts' projections differ in width ({shapes})")
+    rows = sum(r for r, _ in shapes)
+    fused = torch.empty((len(parts), rows, shapes[0][1]), dtype=parts[0][0].dtype)
+    for e, expert in enumerate(parts):
+        at = 0
+        for part in expert:
+            fused[e, at : at + part.shape[0]].copy_(part)
+            at += part.shape[0]
+    return fused
 
 
 def model_state_dict(
