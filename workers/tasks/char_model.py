@@ -21,6 +21,7 @@ from pathlib import Path
 
 from workers.tasks.registry import TaskSpec
 from workers.tasks.sources import Row, load_rows, source_digest
+from workers.tasks.supervised_warmup import move_into_cache, train_on_answers
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS = 0, 1, 2
@@ -150,27 +151,15 @@ def warmed_up_model(state_dir: Path, spec: TaskSpec, seed: int = 0, progress=Non
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = Qwen3MoeForCausalLM(config).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warmup_lr)
-    for step in range(spec.warmup_steps):
-        ids, mask = _batch([rng.choice(examples) for _ in range(spec.warmup_batch)])
-        logits = model(input_ids=ids[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-        )
-        loss = (loss * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if progress is not None:
-            progress(step + 1, spec.warmup_steps, loss.item())
+    train_on_answers(
+        model,
+        lambda: _batch([rng.choice(examples) for _ in range(spec.warmup_batch)]),
+        steps=spec.warmup_steps,
+        lr=spec.warmup_lr,
+        progress=progress,
+    )
     model.save_pretrained(staging)
-    try:
-        staging.rename(directory)  # atomic: a half-written cache is never used
-    except OSError:
-        if not (directory / "tokenizer_config.json").exists():
-            raise
-        shutil.rmtree(staging)  # another process built the same model first: use theirs
-    return directory
+    return move_into_cache(staging, directory, "tokenizer_config.json")
 
 
 def _batch(examples: list[tuple[list[int], list[int]]]):

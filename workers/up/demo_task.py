@@ -12,12 +12,12 @@ import hashlib
 import json
 import os
 import random
-import shutil
 from pathlib import Path
 
 import torch
 
 from pipeline.tiny_models import tiny_moe_config
+from workers.tasks.supervised_warmup import move_into_cache, train_on_answers
 from workers.up.options import TaskSettings
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -123,29 +123,13 @@ def warmed_up_model(state_dir: Path, cfg: TaskSettings = DEFAULT_TASK, progress=
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     model = Qwen3MoeForCausalLM(model_config(tokenizer.get_vocab_size())).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
-    for step in range(cfg.warmup_steps):
-        ids, mask = _batch(tokenizer, rng, cfg)
-        logits = model(input_ids=ids[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-        )
-        loss = (loss * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if progress is not None:
-            progress(step + 1, cfg.warmup_steps, loss.item())
+    train_on_answers(
+        model, lambda: _batch(tokenizer, rng, cfg), steps=cfg.warmup_steps, lr=cfg.warmup_lr, progress=progress
+    )
     staging = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
     model.save_pretrained(staging)
     tokenizer.save(str(staging / "tokenizer.json"))
-    try:
-        staging.rename(directory)  # atomic: a half-written cache is never used
-    except OSError:
-        if not (directory / "tokenizer.json").exists():
-            raise
-        shutil.rmtree(staging)  # another process built the same model first: use theirs
-    return directory
+    return move_into_cache(staging, directory, "tokenizer.json")
 
 
 ANSWER_FORMAT = r"\d+"
