@@ -196,6 +196,11 @@ BlobSettings = Annotated[
 class LogSettings(Section):
     claim_check_threshold_bytes: int = Field(256 * 1024, ge=1024)
     """Encoded events larger than this go to the blob store; the log carries a claim check."""
+    max_claim_bytes: int = Field(256 * MIB, ge=1024)
+    """The largest encoded event a claim check may carry. A producer refuses to append a larger one; a
+    reader dead-letters a claim that says it is larger, and stops reading a blob that turns out larger
+    than its claim says: a forged claim (any sampler can write claims) must not exhaust the memory of
+    every worker that reads it, again after each restart."""
     publish_timeout_s: float = Field(5.0, gt=0)
     """How long one publish waits for the stream's ack."""
     publish_attempts: int = Field(20, ge=1)
@@ -208,6 +213,14 @@ class LogSettings(Section):
     """How long a stream or consumer that a reader has already used may be reported missing before that
     is believed (the reader then stops loudly): a restarted nats-server answers "not found" while
     JetStream is still restoring its streams (seen under load), which is an outage, not a deletion."""
+
+    @field_validator("max_claim_bytes")
+    @classmethod
+    def _claims_above_threshold(cls, value: int, info: ValidationInfo) -> int:
+        threshold = info.data.get("claim_check_threshold_bytes")
+        if threshold is not None and value <= threshold:
+            raise ValueError(f"{value} is not above claim_check_threshold_bytes={threshold}: no claim could be made")
+        return value
 
 
 class StreamSettings(Section):

@@ -70,6 +70,20 @@ class BlobIntegrityError(BlobStoreError):
         )
 
 
+class BlobTooLarge(BlobIntegrityError):
+    """A blob that holds more bytes than the pointer naming it says: not the blob meant, and not read on
+    (a swapped or forged object could be any size; reading it whole could exhaust memory or disk)."""
+
+    def __init__(self, uri: str, limit: int):
+        self.uri, self.limit = uri, limit
+        self.expected, self.actual = f"{limit} bytes at most", f"more than {limit} bytes"
+        BlobStoreError.__init__(
+            self,
+            f"blob {uri} holds more than the {limit} bytes it may: not read further",
+            hint="the object was replaced or the pointer forged; do not use it",
+        )
+
+
 class UnknownBlobBackend(BlobStoreError):
     def __init__(self, backend: str, registered: list[str]):
         self.backend = backend

@@ -388,6 +388,12 @@ class EventLog:
                 "and this log has no blob store",
                 hint="open the EventLog with a blob store",
             )
+        if len(data) > self.settings.max_claim_bytes:  # every reader would refuse it: say so here, once
+            raise AppendFailed(
+                f"event {event.event_id} is {len(data)} bytes, above log.max_claim_bytes="
+                f"{self.settings.max_claim_bytes}: its readers would refuse it",
+                hint="make the event smaller, or raise log.max_claim_bytes for every worker of the run",
+            )
         kind = subject.split(".")[2]  # rl.<run>.<kind>[.<qualifier>...]
         ref = await asyncio.to_thread(self.blobs.put_bytes, data, prefix=claims_prefix(event.run_id, kind))
         claim = ClaimCheck(
@@ -489,7 +495,7 @@ class EventLog:
         Other blob-store errors propagate: BlobStoreUnavailable is a TransientError, so
         the caller retries.
         """
-        from pipeline.errors import BlobIntegrityError, BlobNotFound
+        from pipeline.errors import BlobIntegrityError, BlobNotFound, BlobTooLarge
 
         try:
             event = decode_event(data)
@@ -513,8 +519,19 @@ class EventLog:
                 f"claim check {event.uri} is outside this run's claims ({own_claims}...)",
                 error_class="claim_check_foreign",
             )
+        limit = self.settings.max_claim_bytes
+        if event.bytes > limit:  # refused before any GET: a claim's size is what its readers will hold
+            raise PoisonEvent(
+                f"claim check {event.uri} says its event is {event.bytes} bytes, above log.max_claim_bytes={limit}",
+                error_class="claim_check_oversized",
+            )
         try:
-            body = await asyncio.to_thread(self.blobs.get_bytes, event.uri, expected=event.sha256)
+            # Never more than the claim says: a blob swapped for a larger one is not read to its end.
+            body = await asyncio.to_thread(
+                self.blobs.get_bytes, event.uri, expected=event.sha256, max_bytes=event.bytes
+            )
+        except BlobTooLarge as exc:
+            raise PoisonEvent(str(exc), error_class="claim_check_oversized") from exc
         except BlobIntegrityError as exc:
             raise PoisonEvent(str(exc), error_class="claim_check_corrupt") from exc
         except BlobNotFound as exc:

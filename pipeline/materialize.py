@@ -75,7 +75,7 @@ from pipeline import patch_codec
 from pipeline.bits import bits_dtype, checksum, dtype_name, root_hash, to_bits
 from pipeline.blobstore import BlobStore
 from pipeline.config import MaterializeSettings
-from pipeline.errors import BlobIntegrityError, BlobNotFound, SprawlError
+from pipeline.errors import BlobIntegrityError, BlobNotFound, BlobTooLarge, SprawlError
 from pipeline.eventlog import EventLog
 from pipeline.keyframe import read_weight_map
 from pipeline.logs import get_logger
@@ -863,11 +863,15 @@ class Materializer:
         the part is given up (and set aside with backoff by the caller)."""
         for attempt in (1, 2):
             try:
-                ref = self.blobs.get_to_file(blob.uri, path, expected=blob.sha256)
+                # No more than the signed pointer says: a swapped blob cannot fill the disk before it fails.
+                ref = self.blobs.get_to_file(blob.uri, path, expected=blob.sha256, max_bytes=blob.bytes)
                 return ref.bytes
             except BlobIntegrityError as exc:
                 if attempt == 2:
-                    reason = f"{blob.uri} is corrupt after a refetch (sha256 {exc.actual}, expected {exc.expected})"
+                    if isinstance(exc, BlobTooLarge):
+                        reason = f"{blob.uri} is larger than its signed {blob.bytes} bytes after a refetch"
+                    else:
+                        reason = f"{blob.uri} is corrupt after a refetch (sha256 {exc.actual}, expected {exc.expected})"
                     self._refuse_blob(blob, edge, start, reason)
                     raise _EdgeFailed(edge, start, reason, blob.uri) from exc
                 log.warning("blob failed verification, refetching once", uri=blob.uri)

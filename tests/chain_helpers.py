@@ -58,6 +58,16 @@ def corrupt_object(blobs: S3BlobStore, uri: str) -> bytes:
     return original
 
 
+def enlarge_object(blobs: S3BlobStore, uri: str) -> bytes:
+    """Replace a stored object with itself followed by 4 MiB of zeros (its metadata kept): a swapped blob
+    far larger than its pointer says. Returns the original bytes."""
+    bucket, key = uri.removeprefix("s3://").split("/", 1)
+    head = blobs.client.head_object(Bucket=bucket, Key=key)
+    original = blobs.client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    blobs.client.put_object(Bucket=bucket, Key=key, Body=original + bytes(4 << 20), Metadata=head["Metadata"])
+    return original
+
+
 def republish_object(blobs: S3BlobStore, uri: str, data: bytes) -> None:
     """Write an object's right bytes back under its key, as an operator repairing the store would."""
     bucket, key = uri.removeprefix("s3://").split("/", 1)
@@ -75,16 +85,16 @@ class CorruptingBlobStore(S3BlobStore):
     """An S3 store that corrupts chosen blobs right after they are written and verified, before the
     publisher appends the event naming them: a follower never gets a chance to see them intact."""
 
-    def __init__(self, settings, corrupt: Callable[[str], bool]):
+    def __init__(self, settings, corrupt: Callable[[str], bool], tamper=corrupt_object):
         super().__init__(settings)
-        self.corrupt = corrupt
+        self.corrupt, self.tamper = corrupt, tamper
         self.corrupted: dict[str, bytes] = {}
         """uri -> the original bytes, for each blob corrupted."""
 
     def put_bytes(self, data: bytes, key: str | None = None, **kw):
         ref = super().put_bytes(data, key, **kw)
         if key is not None and self.corrupt(key):
-            self.corrupted[ref.uri] = corrupt_object(self, ref.uri)
+            self.corrupted[ref.uri] = self.tamper(self, ref.uri)
         return ref
 
 

@@ -5,10 +5,17 @@ import pytest
 from pydantic import SecretStr
 
 from infra.s3_identities import Role, add_token_identity, revoke_token_identity
-from pipeline.blobstore import LocalBlobStore, S3BlobStore, checksum_of
+from pipeline.blobstore import LocalBlobStore, S3BlobStore, capped, checksum_of
 from pipeline.blobstore.s3 import BlobPermissionRefused
 from pipeline.config import LocalBlobSettings
-from pipeline.errors import BlobAccessDenied, BlobIntegrityError, BlobNotFound, BucketNotFound, TransientError
+from pipeline.errors import (
+    BlobAccessDenied,
+    BlobIntegrityError,
+    BlobNotFound,
+    BlobTooLarge,
+    BucketNotFound,
+    TransientError,
+)
 from tests.servers import HANG_GUARD_S
 
 pytestmark = pytest.mark.integration
@@ -132,3 +139,33 @@ def _until_accepted(store: S3BlobStore, readable_uri: str) -> None:
         except BlobAccessDenied:
             assert time.monotonic() < deadline, "the new key was never accepted"
             time.sleep(0.05)
+
+
+def test_a_blob_larger_than_its_pointer_says_is_refused_and_leaves_no_file(blobs, settings, tmp_path):
+    key = f"t/{settings.run_id}/swapped"
+    ref = blobs.put_bytes(b"the real bytes", key=key)
+    # Swapped for a far larger object that keeps our metadata: refused by size, before its checksum.
+    blobs.client.put_object(
+        Bucket=blobs.bucket, Key=key, Body=os.urandom(3 << 20), Metadata={"sprawl-sha256": ref.checksum}
+    )
+    with pytest.raises(BlobTooLarge, match=f"more than the {ref.bytes} bytes"):
+        blobs.get_bytes(ref.uri, expected=ref.checksum, max_bytes=ref.bytes)
+    with pytest.raises(BlobTooLarge):
+        blobs.get_to_file(ref.uri, tmp_path / "out", expected=ref.checksum, max_bytes=ref.bytes)
+    assert list(tmp_path.iterdir()) == []
+    blobs.put_bytes(b"the real bytes", key=key)
+    assert blobs.get_bytes(ref.uri, max_bytes=ref.bytes) == b"the real bytes"  # exactly the size: read
+
+
+def test_the_cap_stops_reading_at_the_first_chunk_past_it():
+    pulled = []
+
+    def chunks():
+        for n in range(1000):
+            pulled.append(n)
+            yield b"x" * 100
+
+    with pytest.raises(BlobTooLarge):
+        b"".join(capped("s3://b/k", chunks(), 250))
+    assert pulled == [0, 1, 2]  # not the other 997 chunks
+    assert b"".join(capped("s3://b/k", iter([b"ab", b"c"]), None)) == b"abc"

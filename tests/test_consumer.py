@@ -8,11 +8,12 @@ import time
 
 import pytest
 
-from infra.streams import ApplyReport, apply_consumer
+from infra.streams import ApplyReport, apply, apply_consumer
 from pipeline.blobstore import S3BlobStore
-from pipeline.config import StreamSettings
+from pipeline.config import LogSettings, StreamSettings
 from pipeline.consumer import Consumer, Delivery, keepalive_interval_s
-from pipeline.errors import BlobStoreUnavailable, ConsumerNotDeclared, PoisonEvent, TransientError
+from pipeline.errors import AppendFailed, BlobStoreUnavailable, ConsumerNotDeclared, PoisonEvent, TransientError
+from pipeline.eventlog import EventLog
 from pipeline.topology import ConsumerRole, consumer_for
 from tests.consuming import dead_letters, run_until
 from tests.events import reward, trajectory
@@ -207,6 +208,56 @@ async def test_corrupt_claim_check_is_dead_lettered(event_log, settings):
     (letter,) = await dead_letters(event_log, settings.run_id)
     assert letter.error_class == "claim_check_corrupt"
     assert claim["sha256"] in letter.reason
+
+
+async def test_a_claim_larger_than_the_cap_is_dead_lettered_before_any_get(event_log, settings):
+    """Any sampler may write claims: one that says it holds 300 GiB must not make every reader try."""
+    big = trajectory(settings.run_id, "big-forged-size", 20_000)
+    result = await event_log.append(big)
+    claim = json.loads((await event_log.js.get_msg("TRAJECTORIES", result.seq)).data)
+    await event_log.js.delete_msg("TRAJECTORIES", result.seq)  # republished below, claiming more
+    claim["bytes"] = 300 << 30
+    claim["uri"] += "-never-stored"  # had it been fetched, this would be claim_check_missing
+    await event_log.js.publish(result.subject, json.dumps(claim).encode())
+    consumer = _consumer(event_log, settings, _noop)
+    await run_until(consumer, lambda: consumer.stats.dead_lettered == 1)
+    (letter,) = await dead_letters(event_log, settings.run_id)
+    assert letter.error_class == "claim_check_oversized" and letter.num_delivered == 1
+    assert f"above log.max_claim_bytes={settings.log.max_claim_bytes}" in letter.reason
+
+
+async def test_a_claim_blob_swapped_for_a_larger_one_is_not_read_past_its_claimed_size(event_log, settings):
+    big = trajectory(settings.run_id, "big-swapped", 20_000)
+    result = await event_log.append(big)
+    claim = json.loads((await event_log.js.get_msg("TRAJECTORIES", result.seq)).data)
+    blobs = S3BlobStore(settings.blobs)
+    bucket, key = claim["uri"].removeprefix("s3://").split("/", 1)
+    larger = os.urandom(4 * claim["bytes"])
+    blobs.client.put_object(Bucket=bucket, Key=key, Body=larger, Metadata={"sprawl-sha256": claim["sha256"]})
+    consumer = _consumer(event_log, settings, _noop)
+    await run_until(consumer, lambda: consumer.stats.dead_lettered == 1)
+    (letter,) = await dead_letters(event_log, settings.run_id)
+    assert letter.error_class == "claim_check_oversized"
+    assert f"holds more than the {claim['bytes']} bytes it may" in letter.reason
+
+
+async def test_an_event_above_the_claim_cap_is_refused_at_append_and_nothing_is_stored(settings):
+    capped = settings.model_copy(update={"log": settings.log.model_copy(update={"max_claim_bytes": 300_000})})
+    event_log = await EventLog.connect(capped, worker="test-claim-cap")
+    try:
+        await apply(event_log.js, settings.streams, settings.run_id)
+        with pytest.raises(AppendFailed, match=r"above log\.max_claim_bytes=300000"):
+            await event_log.append(trajectory(settings.run_id, "too-big", 200_000))
+        info = await event_log.js.stream_info("TRAJECTORIES", subjects_filter=f"rl.{settings.run_id}.>")
+        assert not info.state.subjects  # nothing appended for this run
+        assert S3BlobStore(settings.blobs).list_keys(f"claims/{settings.run_id}/") == []  # nor uploaded
+    finally:
+        await event_log.close()
+
+
+def test_the_claim_cap_must_be_above_the_claim_check_threshold():
+    with pytest.raises(ValueError, match="not above claim_check_threshold_bytes"):
+        LogSettings(claim_check_threshold_bytes=1 << 20, max_claim_bytes=1 << 20)
 
 
 async def test_a_consumer_of_the_rewards_stream_gets_rewards(event_log, settings):

@@ -24,6 +24,7 @@ from tests.chain_helpers import (
     TEST_TRUST,
     CorruptingBlobStore,
     corrupt_object,
+    enlarge_object,
     expected_root,
     patch_key,
     publisher,
@@ -89,10 +90,10 @@ def _drift(state: dict[str, torch.Tensor]) -> None:
 class Chain:
     """A tiny model's chain being published, with the blobs chosen by `corrupt` corrupted in the store."""
 
-    def __init__(self, event_log, settings, corrupt, **chain):
+    def __init__(self, event_log, settings, corrupt, tamper=corrupt_object, **chain):
         model = tiny_moe(seed=6)
         self.state = {k: v.clone() for k, v in model.state_dict().items()}
-        self.blobs = CorruptingBlobStore(settings.blobs, corrupt)
+        self.blobs = CorruptingBlobStore(settings.blobs, corrupt, tamper)
         self.pub = publisher(event_log, settings, model, blobs=self.blobs, **chain)
         self.events = []
 
@@ -232,6 +233,26 @@ async def test_retries_back_off_and_a_republished_blob_is_picked_up(event_log, s
         # from the standby slot (v0), v1's patch read from the local store
         assert island.stats.routes[3] == "cache:v0 -> patch:v1 -> patch:v2 -> patch:v3"
         assert island.blocked is None and failures.open() == []
+        _assert_every_served_version_is_the_logs(island, chain)
+    finally:
+        await island.stop()
+
+
+@pytest.mark.integration
+async def test_a_patch_swapped_for_a_larger_blob_is_refused_by_its_signed_size_and_leaves_no_file(
+    event_log, settings, tmp_path
+):
+    chain = Chain(event_log, settings, patch_key(2, 1), tamper=enlarge_object, keyframe_every=100)
+    island = await _island(event_log, settings, tmp_path, first_s=3600.0)
+    try:
+        await chain.publish_to(2)
+        [swapped] = chain.blobs.corrupted
+        await _until(island, lambda: island.blocked is not None and island.blocked.head == 2, "blocked at v2")
+        assert island.version == 1 and island.materializer.failures.by_blob == {swapped: 1}
+        assert "larger than its signed" in island.blocked.reason
+        # Nothing of it stays on disk: not in the patch store, not as a temp file beside it.
+        leftovers = [p for p in tmp_path.rglob("*") if p.is_file() and p.stat().st_size >= 4 << 20]
+        assert leftovers == []
         _assert_every_served_version_is_the_logs(island, chain)
     finally:
         await island.stop()

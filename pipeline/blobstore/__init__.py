@@ -23,7 +23,7 @@ from typing import Any, Literal, Protocol
 import xxhash
 
 from pipeline.config import BlobSettings
-from pipeline.errors import BlobIntegrityError, SprawlError, UnknownBlobBackend
+from pipeline.errors import BlobIntegrityError, BlobTooLarge, SprawlError, UnknownBlobBackend
 
 ChecksumAlgorithm = Literal["sha256", "xxh3_128"]
 READ_CHUNK = 1 << 20
@@ -52,8 +52,10 @@ class BlobStore(Protocol):
         algorithm: ChecksumAlgorithm = "sha256",
     ) -> BlobRef: ...
     def put_file(self, path: Path, key: str, *, algorithm: ChecksumAlgorithm = "sha256") -> BlobRef: ...
-    def get_bytes(self, uri: str, *, expected: str | None = None) -> bytes: ...
-    def get_to_file(self, uri: str, path: Path, *, expected: str | None = None) -> BlobRef: ...
+    def get_bytes(self, uri: str, *, expected: str | None = None, max_bytes: int | None = None) -> bytes: ...
+    def get_to_file(
+        self, uri: str, path: Path, *, expected: str | None = None, max_bytes: int | None = None
+    ) -> BlobRef: ...
     def exists(self, uri: str) -> bool: ...
     def list_keys(self, prefix: str) -> list[str]: ...
 
@@ -140,6 +142,20 @@ def hash_file(path: Path, algorithm: ChecksumAlgorithm) -> Hasher:
         for chunk in iter(lambda: fh.read(READ_CHUNK), b""):
             hasher.update(chunk)
     return hasher
+
+
+def capped(uri: str, chunks: Iterator[bytes], max_bytes: int | None) -> Iterator[bytes]:
+    """`chunks`, failing with BlobTooLarge as soon as more than `max_bytes` have come (None: no cap).
+    Readers pass the size their pointer names: a longer blob is not it, so nothing past that is read."""
+    if max_bytes is None:
+        yield from chunks
+        return
+    seen = 0
+    for chunk in chunks:
+        seen += len(chunk)
+        if seen > max_bytes:
+            raise BlobTooLarge(uri, max_bytes)
+        yield chunk
 
 
 def stream_to_file(uri: str, chunks: Iterator[bytes], path: Path, algorithm: ChecksumAlgorithm, want: str) -> BlobRef:

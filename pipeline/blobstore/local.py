@@ -16,6 +16,7 @@ from pipeline.blobstore import (
     BlobRef,
     ChecksumAlgorithm,
     Hasher,
+    capped,
     checksum_of,
     content_key,
     expected_checksum,
@@ -86,8 +87,9 @@ class LocalBlobStore:
 
         return chunks(), metadata
 
-    def get_bytes(self, uri: str, *, expected: str | None = None) -> bytes:
+    def get_bytes(self, uri: str, *, expected: str | None = None, max_bytes: int | None = None) -> bytes:
         chunks, metadata = self._open(uri)
+        chunks = capped(uri, chunks, max_bytes)
         algorithm, want = expected_checksum(uri, metadata, expected)
         hasher = Hasher(algorithm)
         data = b"".join(chunks)
@@ -95,8 +97,11 @@ class LocalBlobStore:
         verify_checksum(uri, hasher, want)
         return data
 
-    def get_to_file(self, uri: str, path: Path, *, expected: str | None = None) -> BlobRef:
+    def get_to_file(
+        self, uri: str, path: Path, *, expected: str | None = None, max_bytes: int | None = None
+    ) -> BlobRef:
         chunks, metadata = self._open(uri)
+        chunks = capped(uri, chunks, max_bytes)
         algorithm, want = expected_checksum(uri, metadata, expected)
         return stream_to_file(uri, chunks, path, algorithm, want)
 

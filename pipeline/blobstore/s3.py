@@ -24,6 +24,7 @@ from pipeline.blobstore import (
     BlobRef,
     ChecksumAlgorithm,
     Hasher,
+    capped,
     checksum_of,
     expected_checksum,
     hash_file,
@@ -224,8 +225,9 @@ class S3BlobStore:
         except BotoCoreError as exc:
             raise self._translate(exc, uri, bucket) from exc
 
-    def get_bytes(self, uri: str, *, expected: str | None = None) -> bytes:
+    def get_bytes(self, uri: str, *, expected: str | None = None, max_bytes: int | None = None) -> bytes:
         chunks, metadata = self._open(uri)
+        chunks = capped(uri, chunks, max_bytes)
         algorithm, want = expected_checksum(uri, metadata, expected)
         hasher = Hasher(algorithm)
         buffer = bytearray()
@@ -235,8 +237,11 @@ class S3BlobStore:
         verify_checksum(uri, hasher, want)
         return bytes(buffer)
 
-    def get_to_file(self, uri: str, path: Path, *, expected: str | None = None) -> BlobRef:
+    def get_to_file(
+        self, uri: str, path: Path, *, expected: str | None = None, max_bytes: int | None = None
+    ) -> BlobRef:
         chunks, metadata = self._open(uri)
+        chunks = capped(uri, chunks, max_bytes)
         algorithm, want = expected_checksum(uri, metadata, expected)
         return stream_to_file(uri, chunks, path, algorithm, want)
 

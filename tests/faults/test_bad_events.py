@@ -22,6 +22,7 @@ CLASSES = {
     "body_run_not_subject_run",
     "body_group_not_subject_group",
     "claim_check_to_missing_bucket",
+    "claim_check_oversized",
     "second_different_v1",
     "republished_trajectory_new_msg_id",
     "garbage_on_rewards",

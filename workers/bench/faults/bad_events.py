@@ -87,8 +87,11 @@ def _trajectory_dict(template: Trajectory, cls: str) -> tuple[dict, str]:
     return body, subject_for(decode_event(json.dumps(body).encode()))
 
 
-def forge_all(run_id: str, trajectory: Trajectory, raw_trajectory: LoggedMessage, v1: PolicyVersion) -> list[Forged]:
-    """Every bad-event class of the issue, forged from a real trajectory and the run's version 1."""
+def forge_all(
+    run_id: str, trajectory: Trajectory, raw_trajectory: LoggedMessage, v1: PolicyVersion, claims_uri: str
+) -> list[Forged]:
+    """Every bad-event class of the issue, forged from a real trajectory and the run's version 1.
+    `claims_uri`: where the run's own trajectory claims live (`s3://<bucket>/claims/<run>/traj`)."""
     out: list[Forged] = []
 
     def mutated(cls: str, change) -> None:
@@ -121,6 +124,28 @@ def forge_all(run_id: str, trajectory: Trajectory, raw_trajectory: LoggedMessage
             "claim_check_to_missing_bucket",
             subject,
             encode_event(claim),
+            {CLAIM_CHECK_HEADER: "1", EVENT_TYPE_HEADER: Trajectory.type_tag()},
+            trajectory_id=body["trajectory_id"],
+        )
+    )
+
+    # Under the run's own claims (so not refused as foreign), saying it holds 300 GiB: refused by its size
+    # before any GET. Had a reader tried, the GET would find nothing (the key was never written).
+    body, subject = _trajectory_dict(trajectory, "claim_check_oversized")
+    oversized = ClaimCheck(
+        run_id=run_id,
+        event_id=body["event_id"],
+        producer="fault-suite",
+        event_type=Trajectory.type_tag(),
+        uri=f"{claims_uri}/{uuid.uuid4().hex}",
+        sha256="0" * 64,
+        bytes=300 << 30,
+    )
+    out.append(
+        Forged(
+            "claim_check_oversized",
+            subject,
+            encode_event(oversized),
             {CLAIM_CHECK_HEADER: "1", EVENT_TYPE_HEADER: Trajectory.type_tag()},
             trajectory_id=body["trajectory_id"],
         )

@@ -263,6 +263,7 @@ async def run_bad_events(
 ) -> BadEventsResult:
     """Every bad-event class on a fresh, running fleet; the ones that need no sampler once the samplers
     are stopped. Then the same invariants as after a fault."""
+    from pipeline.eventlog import claims_prefix
     from pipeline.topology import POLICY, TRAJECTORIES
     from schemas import PolicyVersion, Trajectory
     from workers.bench.faults.ledger import scan_stream
@@ -281,7 +282,8 @@ async def run_bad_events(
             if isinstance(m.event, PolicyVersion) and m.event.version == 1
         )
         seen_before = positions(await scan_with_retries(fleet.event_log, fleet.run_id, guard_s))
-        forged = forge_all(fleet.run_id, trajectories[0].event, trajectories[0], v1)
+        claims = fleet.event_log.blobs.uri(claims_prefix(fleet.run_id, "traj"))
+        forged = forge_all(fleet.run_id, trajectories[0].event, trajectories[0], v1, claims)
         published = [await publish(fleet.event_log, f) for f in forged if not f.needs_no_sampler]
         outcomes = await watch(fleet.event_log, published, guard_s)
         await asyncio.to_thread(fleet.supervisor.stop, fleet.worker_names("sampler"))
