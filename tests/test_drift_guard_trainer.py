@@ -168,24 +168,38 @@ async def test_a_broken_island_is_quarantined_and_recovery_replays_the_quarantin
                 check_rederived(event, ours)
 
 
-async def test_a_trajectory_with_ids_outside_the_model_is_dead_lettered_not_a_crash_loop(
-    event_log, settings, model_dir
+def _out_of_vocabulary(good, config):
+    return {"output_token_ids": [*good.output_token_ids[:-1], 10**6]}
+
+
+def _longer_than_the_model_takes(good, config):
+    # The prompt (no per-token fields to keep in step) repeated past the model's positions.
+    repeats = config.max_position_embeddings // len(good.prompt_token_ids) + 1
+    return {"prompt_token_ids": good.prompt_token_ids * repeats}
+
+
+@pytest.mark.parametrize(
+    ("forge", "reason"),
+    [
+        (_out_of_vocabulary, "outside the model's vocabulary"),
+        (_longer_than_the_model_takes, "positions"),
+    ],
+)
+async def test_a_trajectory_the_model_cannot_take_is_dead_lettered_not_a_crash_loop(
+    event_log, settings, model_dir, forge, reason
 ):
     """A forged trajectory whose token id the model cannot index used to raise IndexError inside the
-    update, before any lineage named the batch: every restart read it again and crashed again."""
+    update, before any lineage named the batch: every restart read it again and crashed again. One far
+    longer than the model's positions would have made the update allocate logits for all of it."""
     import msgspec
+    from transformers import AutoConfig
 
     from schemas import DeadLetter, decode_event
 
     groups = _groups(model_dir, settings.run_id, 4)
     good = groups[0][0][0]
-    forged = msgspec.structs.replace(
-        good,
-        trajectory_id="gx-0",
-        group_id="gx",
-        output_token_ids=[*good.output_token_ids[:-1], 10**6],
-        group_size=1,
-    )
+    changes = forge(good, AutoConfig.from_pretrained(model_dir))
+    forged = msgspec.structs.replace(good, trajectory_id="gx-0", group_id="gx", group_size=1, **changes)
     forged_reward = msgspec.structs.replace(groups[0][1][0], trajectory_id="gx-0", group_id="gx")
     landed = await event_log.append(forged)  # first in the log: without the check it would be in the first batch
     await event_log.append(forged_reward)
@@ -202,5 +216,5 @@ async def test_a_trajectory_with_ids_outside_the_model_is_dead_lettered_not_a_cr
     assert [(d.error_class, d.original_seq) for d in dead if isinstance(d, DeadLetter)] == [
         ("TrajectoryOutOfModel", landed.seq)
     ]
-    assert "outside the model's vocabulary" in dead[0].reason
+    assert reason in dead[0].reason
     assert decode_event(dead[0].payload).trajectory_id == "gx-0"  # the refused event itself, for the audit

@@ -1,4 +1,5 @@
-"""What the trainer refuses before a trajectory joins a batch: ids this model cannot index.
+"""What the trainer refuses before a trajectory joins a batch: ids this model cannot index, and
+sequences longer than it takes.
 
 The decoder checks a trajectory's shape, not that its token ids exist in this model's vocabulary (or
 its expert ids among this model's experts). A forged or broken trajectory with an id out of range
@@ -21,13 +22,26 @@ from schemas.envelope import new_event_id, now_utc
 
 
 def refusal(
-    trajectory: Trajectory, vocab_size: int, num_experts: int | None = None, *, routing: RoutingShape | None = None
+    trajectory: Trajectory,
+    vocab_size: int,
+    num_experts: int | None = None,
+    *,
+    routing: RoutingShape | None = None,
+    max_positions: int | None = None,
 ) -> str | None:
     """Why this model cannot train on `trajectory`, or None.
+
+    `max_positions`: the longest sequence the model takes (its config's `max_position_embeddings`, which
+    prompts are rendered to fit with their `max_new_tokens`). A forged trajectory of a million tokens
+    (the claim cap allows hundreds of MiB) would otherwise make the update allocate logits for every
+    one of them: an out-of-memory kill, then the same trajectory again after every restart.
 
     `routing`: the model's `routing_shape(config)` (its MoE family's layers, k and expert count; `DENSE`
     for a dense model), which checks the whole shape of a recorded route; `num_experts` alone (the old
     call) checks only the expert ids, and only for a family whose config names them `num_experts`."""
+    length = len(trajectory.prompt_token_ids) + len(trajectory.output_token_ids)
+    if max_positions is not None and length > max_positions:
+        return f"{length} tokens (prompt and output) are more than the model's {max_positions} positions"
     ids = chain(
         trajectory.prompt_token_ids,
         trajectory.output_token_ids,

@@ -354,7 +354,8 @@ class Trainer:
     async def _admitted(self, item, consumer: str) -> bool:
         """False (and the trajectory dead-lettered, once) when this model cannot index its ids."""
         assert self.model is not None
-        reason = refusal(item.event, self.model.config.vocab_size, routing=self.routing)
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        reason = refusal(item.event, self.model.config.vocab_size, routing=self.routing, max_positions=positions)
         if reason is None:
             return True
         log.error("trajectory refused", trajectory_id=item.event.trajectory_id, seq=item.stream_seq, reason=reason)
