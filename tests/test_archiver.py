@@ -32,11 +32,12 @@ from pipeline.subjects import (
     trainer_lease_subject,
     trajectory_subject,
 )
-from pipeline.topology import METRICS, REWARDS, STREAMS, ConsumerRole, consumer_for
+from pipeline.topology import METRICS, REWARDS, STREAMS, TRAJECTORIES, ConsumerRole, consumer_for
 from schemas import ClaimCheck, IslandHeartbeat, IslandIdentity, Reward
 from schemas.archive import ROW_COLUMNS, UNDECODABLE, ArchiveKey, parquet_glob, run_prefix
 from schemas.codec import encode_event
 from schemas.events import CURRENT_EVENTS
+from tests.events import trajectory as big_trajectory
 from tests.servers import HANG_GUARD_S, connection_env, new_run_id, server_stopped
 from workers.archiver import Archiver, ArchiverSettings, ArchiveSection, drain_once
 from workers.archiver.process import open_archive_store
@@ -429,3 +430,29 @@ async def test_sigkill_of_the_archiver_loses_no_row_and_writes_none_twice(event_
         rc = await asyncio.to_thread(second.wait, HANG_GUARD_S)
     assert rc == 0, log_path.read_text()[-4000:]
     _assert_archive_is_the_log(settings, run, await _log_counts(event_log, run))
+
+
+async def test_claim_checked_events_count_by_their_own_size_toward_a_flush(event_log, settings):
+    """A burst of large (claim-checked) events is flushed by bytes, not held until 5000 of them or the
+    interval: each counts as the event it stands for, not as its few hundred bytes of claim."""
+    run = settings.run_id
+    for i in range(4):
+        await event_log.append(big_trajectory(run, f"big{i}", 9_000))  # ~0.37 MiB encoded: claim-checked
+    consumer = consumer_for(run, ConsumerRole.ARCHIVER, TRAJECTORIES)
+    sub = await event_log.js.pull_subscribe_bind(durable=consumer.name, stream=TRAJECTORIES.name)
+    section = ArchiveSection(flush_events=5000, flush_interval_s=3600.0, flush_bytes=1 << 20)
+    archiver = StreamArchiver(
+        event_log, open_blob_store(settings.blobs), run, TRAJECTORIES, section, ArchivedSeqs(), Waits(section), 30.0
+    )
+    stop = asyncio.Event()
+    due = []
+    msgs = await sub.fetch(4, timeout=HANG_GUARD_S)
+    assert all(len(m.data) < 4096 for m in msgs)  # claim checks on the log
+    for msg in msgs:
+        await archiver._take(msg, stop)
+        due.append(archiver._flush_due())
+    assert archiver.buffered_bytes > 4 * 300_000
+    assert due == [False, False, True, True]  # past 1 MiB at the third
+    await archiver.flush(stop)
+    assert archiver.buffered_bytes == 0 and not archiver._flush_due()
+    await sub.unsubscribe()

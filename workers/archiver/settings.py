@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from pipeline.config import Section, SprawlSettings
+from pipeline.config import MIB, Section, SprawlSettings
 from pipeline.topology import ARCHIVER_MAX_ACK_PENDING
 
 
@@ -13,7 +13,10 @@ class ArchiveSection(Section):
     """Flush a stream's buffer once it holds this many events (above the consumer's max_ack_pending,
     ARCHIVER_MAX_ACK_PENDING, flushes happen by time only: unacked events stop deliveries)."""
     flush_interval_s: float = Field(5.0, gt=0)
-    """... or once its oldest event has waited this long (the freshness of SQL queries)."""
+    """... or once its oldest event has waited this long (the freshness of SQL queries) ..."""
+    flush_bytes: int = Field(256 * MIB, ge=MIB)
+    """... or once its events add up to this many encoded bytes: claim-checked events may each be up to
+    `log.max_claim_bytes`, and a burst of them (forged or not) must not all wait in memory at once."""
     fetch_batch: int = Field(1000, ge=1, le=ARCHIVER_MAX_ACK_PENDING)
     """Messages fetched per pull; at most the archiver consumer's max_ack_pending
     (ARCHIVER_MAX_ACK_PENDING), since a pull may not ask for more than may be unacked."""

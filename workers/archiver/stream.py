@@ -43,6 +43,7 @@ from pipeline.errors import (
 from pipeline.eventlog import NO_ANSWER, EventLog
 from pipeline.logs import get_logger
 from pipeline.topology import DEADLETTER, ConsumerRole, Stream, consumer_for
+from schemas import Event, encode_event
 from schemas.archive import LOG_SEQ, UNDECODABLE
 from workers.archiver.progress import ArchivedSeqs
 from workers.archiver.rows import archive_files, event_row, undecodable_row
@@ -76,6 +77,8 @@ class Pending:
     msg: Msg
     event_type: str
     row: dict
+    size: int
+    """The event's encoded bytes (a claim-checked one's own, not its claim's): what `flush_bytes` counts."""
 
 
 @dataclass
@@ -109,6 +112,8 @@ class StreamArchiver:
         self.buffer: dict[int, Pending] = {}
         """Stream sequence -> the message holding it, until written; a redelivery replaces its entry."""
         self.oldest: float | None = None
+        self.buffered_bytes = 0
+        """The encoded size of what `buffer` holds (`ArchiveSection.flush_bytes`)."""
         self.stats = StreamStats()
         self._keepalive_s = max(0.2, ack_deadline_s / 3)
         self._last_check = time.monotonic()
@@ -181,13 +186,14 @@ class StreamArchiver:
         if seq in self.buffer:  # its ack wait ran out while we held it: keep the newer delivery only
             self.buffer[seq].msg = msg
             return
-        event_type, row = await self._row(msg, stop)
+        event_type, row, size = await self._row(msg, stop)
         if not self.buffer:
             self.oldest = time.monotonic()
-        self.buffer[seq] = Pending(msg, event_type, row)
+        self.buffer[seq] = Pending(msg, event_type, row, size)
+        self.buffered_bytes += size
 
-    async def _row(self, msg: Msg, stop: asyncio.Event) -> tuple[str, dict]:
-        """The message's row, as an event or as `undecodable` (dead-lettered first)."""
+    async def _row(self, msg: Msg, stop: asyncio.Event) -> tuple[str, dict, int]:
+        """The message's row, as an event or as `undecodable` (dead-lettered first), and its size."""
         resolve = functools.partial(self.log.resolve, msg.data, subject=msg.subject)
         try:
             event = await self.waits.until_done(
@@ -206,10 +212,10 @@ class StreamArchiver:
         except BlobStoreError as exc:  # the store refused this one pointer (a key it will not serve): for good
             reason, error_class = exc.message, "claim_check_unreadable"
         else:
-            return type(event).type_tag(), event_row(self.stream, msg, event)
+            return type(event).type_tag(), event_row(self.stream, msg, event), _encoded_size(msg, event)
         await self._dead_letter(msg, reason, error_class, stop)
         self.stats.undecodable += 1
-        return UNDECODABLE, undecodable_row(self.stream, msg, reason, error_class)
+        return UNDECODABLE, undecodable_row(self.stream, msg, reason, error_class), len(msg.data)
 
     async def _dead_letter(self, msg: Msg, reason: str, error_class: str, stop: asyncio.Event) -> None:
         if self.stream == DEADLETTER:  # a refused dead letter is archived, never dead-lettered again
@@ -235,7 +241,11 @@ class StreamArchiver:
         if not self.buffer:
             return False
         waited = time.monotonic() - (self.oldest or 0)
-        return len(self.buffer) >= self.settings.flush_events or waited >= self.settings.flush_interval_s
+        return (
+            len(self.buffer) >= self.settings.flush_events
+            or self.buffered_bytes >= self.settings.flush_bytes
+            or waited >= self.settings.flush_interval_s
+        )
 
     async def flush(self, stop: asyncio.Event) -> None:
         """Write the buffer (one file per event type and day), then ack everything in it."""
@@ -252,6 +262,7 @@ class StreamArchiver:
         # Every file is durable: from here on a lost ack only means a redelivery, which `archived` skips.
         self.archived.add_all(p.row[LOG_SEQ] for p in batch)
         self.buffer.clear()
+        self.buffered_bytes = 0
         self.oldest = None
         for pending in batch:
             await _ack(pending.msg)
@@ -265,6 +276,18 @@ class StreamArchiver:
             for pending in list(self.buffer.values()):
                 with contextlib.suppress(*NO_ANSWER, nats.errors.Error):
                     await pending.msg.in_progress()
+
+
+_SMALL_MESSAGE_BYTES = 4096
+"""Above this a message is its event itself (a claim check is a few hundred bytes): its length is the size."""
+
+
+def _encoded_size(msg: Msg, event: Event) -> int:
+    """A message's own bytes, or for a claim check those of the event it stood in for (re-encoded: only
+    small messages are, so this costs little)."""
+    if len(msg.data) > _SMALL_MESSAGE_BYTES:
+        return len(msg.data)
+    return max(len(msg.data), len(encode_event(event)))
 
 
 async def _ack(msg: Msg) -> None:
