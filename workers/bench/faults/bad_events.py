@@ -109,47 +109,25 @@ def forge_all(
     mutated("body_run_not_subject_run", lambda b: b.update(run_id=f"{run_id}-other"))
     mutated("body_group_not_subject_group", lambda b: b.update(group_id="another-group"))
 
-    body, subject = _trajectory_dict(trajectory, "claim_check_missing_bucket")
-    claim = ClaimCheck(
-        run_id=run_id,
-        event_id=body["event_id"],
-        producer="fault-suite",
-        event_type=Trajectory.type_tag(),
-        uri=f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/claims/{run_id}/x",
-        sha256="0" * 64,
-        bytes=100,
-    )
-    out.append(
-        Forged(
-            "claim_check_to_missing_bucket",
-            subject,
-            encode_event(claim),
-            {CLAIM_CHECK_HEADER: "1", EVENT_TYPE_HEADER: Trajectory.type_tag()},
-            trajectory_id=body["trajectory_id"],
+    def claimed(cls: str, uri: str, size: int) -> None:
+        """A claim check standing in for a trajectory that was never stored."""
+        body, subject = _trajectory_dict(trajectory, cls)
+        claim = ClaimCheck(
+            run_id=run_id,
+            event_id=body["event_id"],
+            producer="fault-suite",
+            event_type=Trajectory.type_tag(),
+            uri=uri,
+            sha256="0" * 64,
+            bytes=size,
         )
-    )
+        headers = {CLAIM_CHECK_HEADER: "1", EVENT_TYPE_HEADER: Trajectory.type_tag()}
+        out.append(Forged(cls, subject, encode_event(claim), headers, trajectory_id=body["trajectory_id"]))
 
+    claimed("claim_check_to_missing_bucket", f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/claims/{run_id}/x", 100)
     # Under the run's own claims (so not refused as foreign), saying it holds 300 GiB: refused by its size
     # before any GET. Had a reader tried, the GET would find nothing (the key was never written).
-    body, subject = _trajectory_dict(trajectory, "claim_check_oversized")
-    oversized = ClaimCheck(
-        run_id=run_id,
-        event_id=body["event_id"],
-        producer="fault-suite",
-        event_type=Trajectory.type_tag(),
-        uri=f"{claims_uri}/{uuid.uuid4().hex}",
-        sha256="0" * 64,
-        bytes=300 << 30,
-    )
-    out.append(
-        Forged(
-            "claim_check_oversized",
-            subject,
-            encode_event(oversized),
-            {CLAIM_CHECK_HEADER: "1", EVENT_TYPE_HEADER: Trajectory.type_tag()},
-            trajectory_id=body["trajectory_id"],
-        )
-    )
+    claimed("claim_check_oversized", f"{claims_uri}/{uuid.uuid4().hex}", 300 << 30)
 
     second = json.loads(encode_event(v1)) | {"event_id": uuid.uuid4().hex, "producer": "fault-suite"}
     out.append(
