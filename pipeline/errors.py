@@ -142,6 +142,19 @@ class LogIdentityRefused(LogError):
         )
 
 
+class LogServerUntrusted(LogError):
+    """The log's TLS certificate does not verify against the CA this worker trusts: fatal, since every
+    reconnect gets the same certificate (nats-py would otherwise wait on a connect that never ends)."""
+
+    def __init__(self, url: str, reason: str, ca_file: object | None):
+        trusted = f"nats.tls_ca_file={ca_file}" if ca_file else "the system's trust store (no nats.tls_ca_file)"
+        super().__init__(
+            f"the log at {url} presented a TLS certificate this worker does not trust: {reason}",
+            hint=f"it was checked against {trusted}; point SPRAWL_NATS__TLS_CA_FILE at the run's CA (the local "
+            "stack's is <state dir>/stack/tls/ca.pem; a join token carries it)",
+        )
+
+
 class LogPermissionRefused(AppendFailed):
     """The server refused this identity a publish (its role has no such permission): fatal, never
     retried, since the same credentials get the same answer."""

@@ -40,6 +40,7 @@ from pipeline.errors import (
     LogError,
     LogIdentityRefused,
     LogPermissionRefused,
+    LogServerUntrusted,
     LogUnavailable,
     PoisonEvent,
     StreamNotDeclared,
@@ -143,6 +144,10 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
 
     async def on_error(exc: Exception) -> None:
         text = str(exc)
+        if isinstance(exc, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in text:
+            watch.untrusted_reason = text
+            watch.untrusted_server.set()
+            return
         if _refuses_identity(text):
             watch.refuse_identity(text)
             return
@@ -160,8 +165,22 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
             watch.refuse_identity(cause)
 
     callbacks = {"disconnected_cb": on_disconnected, "reconnected_cb": on_reconnected, "closed_cb": on_closed}
+    # However nats-py's connect goes (it waited for ever on a server whose certificate failed to verify),
+    # it ends within every attempt at every server, plus a margin.
+    servers = len(options["servers"])  # type: ignore[arg-type]
+    bound_s = servers * settings.connect_attempts * (2 * settings.connect_timeout_s + settings.reconnect_wait_s) + 5.0
     try:
-        await _connect_unless_refused(nc, watch, error_cb=on_error, **callbacks, **options)
+        await _connect_unless_refused(
+            nc, watch, bound_s, settings.tls_ca_file, error_cb=on_error, **callbacks, **options
+        )
+    except LogServerUntrusted:
+        raise
+    except LogConnectTimedOut as exc:
+        raise LogUnavailable(
+            f"connecting to {settings.url} (not connected after {bound_s:.0f}s)",
+            exc,
+            hint="is nats-server running and reachable? `sprawl stack status` shows the local one",
+        ) from exc
     except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
         if watch.identity_refused.is_set() or _refuses_identity(str(nc.last_error)):
             raise LogIdentityRefused(watch.refusal_reason or str(nc.last_error)) from exc
@@ -195,6 +214,9 @@ class ConnectionWatch:
     """Lowercased, as the server reports them."""
     identity_refused: asyncio.Event = field(default_factory=asyncio.Event)
     refusal_reason: str = ""
+    untrusted_server: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a TLS handshake failed on the server's certificate (the wrong CA, or none)."""
+    untrusted_reason: str = ""
     closing: bool = False
     """Closed on purpose (`EventLog.close`): a close is then no refusal."""
 
@@ -205,16 +227,26 @@ class ConnectionWatch:
             log.error("the log refused this identity (revoked, expired or unknown)", error=reason)
 
 
-async def _connect_unless_refused(nc: NATS, watch: ConnectionWatch, **options) -> None:
-    """`nc.connect(**options)`, ended as soon as a server refuses the credentials. A refusal is final (a
-    revoked or expired token); against a cluster, nats-py would otherwise try every node it learns
-    about from the others' INFO, again and again, and the first connect would never return."""
+class LogConnectTimedOut(TimeoutError):
+    """nats-py's first connect did not end within its bound."""
+
+
+async def _connect_unless_refused(
+    nc: NATS, watch: ConnectionWatch, bound_s: float, ca_file: Path | None, **options
+) -> None:
+    """`nc.connect(**options)`, ended as soon as a server refuses the credentials or presents a
+    certificate that does not verify, and after `bound_s` whatever happens. Both refusals are final (a
+    revoked or expired token; the wrong CA); against a cluster, nats-py would otherwise try every node it
+    learns about from the others' INFO, again and again, and the first connect would never return. On a
+    certificate that failed to verify it waited for ever, with no socket open."""
     connecting = asyncio.ensure_future(nc.connect(**options))
     refused = asyncio.ensure_future(watch.identity_refused.wait())
+    untrusted = asyncio.ensure_future(watch.untrusted_server.wait())
     try:
-        await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({connecting, refused, untrusted}, timeout=bound_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         refused.cancel()
+        untrusted.cancel()
     if connecting.done():
         connecting.result()  # raises what the connect raised
         return
@@ -223,7 +255,11 @@ async def _connect_unless_refused(nc: NATS, watch: ConnectionWatch, **options) -
         await connecting
     with contextlib.suppress(*NO_ANSWER, nats.errors.Error):
         await nc.close()
-    raise LogIdentityRefused(watch.refusal_reason)
+    if watch.identity_refused.is_set():
+        raise LogIdentityRefused(watch.refusal_reason)
+    if watch.untrusted_server.is_set():
+        raise LogServerUntrusted(", ".join(options["servers"]), watch.untrusted_reason, ca_file)
+    raise LogConnectTimedOut(f"no connection within {bound_s:.0f}s")
 
 
 def connection_watch(nc: NATS) -> ConnectionWatch:

@@ -130,3 +130,22 @@ def test_bad_tokens_fail_with_one_clear_line(settings, capsys, monkeypatch, tmp_
     monkeypatch.setenv("SPRAWL_RUN_ID", settings.run_id)
     assert main(["token", "create", "--role", "trainer"]) == 2
     assert stack.status(settings) is not None
+
+
+@pytest.mark.parametrize("trusted", ["another CA", "no CA"])
+async def test_a_log_whose_certificate_does_not_verify_is_refused_in_one_clear_error_not_waited_on(
+    settings, trusted, tmp_path
+):
+    """Before: nats-py reported the failed handshake once and its connect never returned (no socket
+    left, no timer): a worker given the wrong CA hung for ever, alive and silent."""
+    from infra.pki import ensure_ca
+    from pipeline.errors import LogServerUntrusted
+
+    own = stack.with_role(settings, "sampler")
+    assert own.nats.tls_ca_file is not None  # the secure stack: TLS pinned to its own CA
+    other_ca = ensure_ca(tmp_path / "other-ca")[0] if trusted == "another CA" else None
+    wrong = own.model_copy(update={"nats": own.nats.model_copy(update={"tls_ca_file": other_ca})})
+    with pytest.raises(LogServerUntrusted, match="does not trust") as refused:
+        await asyncio.wait_for(EventLog.connect(wrong, worker="wrong-ca"), HANG_GUARD_S)
+    assert "TLS_CA_FILE" in refused.value.hint
+    assert (str(other_ca) in refused.value.hint) == (other_ca is not None)
