@@ -91,7 +91,9 @@ def _run_up(settings, *args: str, timeout: float) -> dict:
 async def _check_islands_materialized(settings, run_id: str, state_dir: Path | None = None) -> None:
     """Every island's newest cached version hashes, file by file, to what the log says."""
     islands = (state_dir or settings.state_dir).resolve() / "islands"
-    event_log = await EventLog.connect(settings.model_copy(update={"run_id": run_id}), worker="test")
+    # `up` made the stack secure: connect as its admin (TLS pinned to its CA), not with the bare settings.
+    admin = stack.with_role(settings.model_copy(update={"run_id": run_id}), "admin")
+    event_log = await EventLog.connect(admin, worker="test")
     try:
         assert len(list(islands.iterdir())) == 2
         for island in sorted(islands.iterdir()):
