@@ -84,6 +84,22 @@ class BlobTooLarge(BlobIntegrityError):
         )
 
 
+class BlobStoreUntrusted(BlobAccessDenied):
+    """The store's TLS certificate does not verify against the CA this worker trusts: fatal like a refused
+    identity (every retry gets the same certificate), never waited out as an outage."""
+
+    def __init__(self, endpoint: str | None, reason: str, ca_file: object | None):
+        self.uri, self.endpoint = endpoint or "", endpoint
+        trusted = f"blobs.ca_file={ca_file}" if ca_file else "the system's trust store (no blobs.ca_file)"
+        BlobStoreError.__init__(
+            self,
+            f"the blob store at {endpoint or 'the default S3 endpoint'} presented a TLS certificate this worker "
+            f"does not trust: {reason}",
+            hint=f"it was checked against {trusted}; point SPRAWL_BLOBS__CA_FILE at the run's CA (the local "
+            "stack's is <state dir>/stack/tls/ca.pem; a join token carries it)",
+        )
+
+
 class UnknownBlobBackend(BlobStoreError):
     def __init__(self, backend: str, registered: list[str]):
         self.backend = backend

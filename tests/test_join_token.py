@@ -149,3 +149,23 @@ async def test_a_log_whose_certificate_does_not_verify_is_refused_in_one_clear_e
         await asyncio.wait_for(EventLog.connect(wrong, worker="wrong-ca"), HANG_GUARD_S)
     assert "TLS_CA_FILE" in refused.value.hint
     assert (str(other_ca) in refused.value.hint) == (other_ca is not None)
+
+
+@pytest.mark.parametrize("trusted", ["another CA", "no CA"])
+def test_a_blob_store_whose_certificate_does_not_verify_is_refused_at_once_not_waited_out(settings, trusted, tmp_path):
+    """botocore's certificate error is a ConnectionError: it was taken for an outage, so a write waited out
+    `blobs.outage_patience_s` (2 minutes by default) and a consumer retried for 15 minutes."""
+    from infra.pki import ensure_ca
+    from pipeline.errors import BlobAccessDenied, BlobStoreUntrusted
+
+    own = stack.with_role(settings, "sampler")
+    assert own.blobs.ca_file is not None and own.blobs.endpoint_url.startswith("https://")
+    other_ca = ensure_ca(tmp_path / "other-ca")[0] if trusted == "another CA" else None
+    wrong = own.blobs.model_copy(update={"ca_file": other_ca, "max_attempts": 1})
+    store = open_blob_store(wrong)
+    with pytest.raises(BlobStoreUntrusted, match="does not trust") as refused:
+        store.put_bytes(b"x", key=f"claims/{settings.run_id}/traj/probe")  # outage_patience_s is 120 s here
+    assert isinstance(refused.value, BlobAccessDenied)  # fatal wherever a refused identity is
+    assert "CA_FILE" in refused.value.hint
+    with pytest.raises(BlobStoreUntrusted):
+        store.get_bytes(store.uri(f"claims/{settings.run_id}/traj/probe"))

@@ -39,6 +39,7 @@ from pipeline.errors import (
     BlobNotFound,
     BlobStoreError,
     BlobStoreUnavailable,
+    BlobStoreUntrusted,
     BucketNotFound,
 )
 
@@ -114,9 +115,12 @@ class S3BlobStore:
         return self.bucket, uri
 
     def _translate(self, exc: Exception, uri: str, bucket: str) -> BlobStoreError:
-        from botocore.exceptions import ClientError, ConnectionError, HTTPClientError, IncompleteReadError
+        from botocore.exceptions import ClientError, ConnectionError, HTTPClientError, IncompleteReadError, SSLError
 
         endpoint = self.settings.endpoint_url
+        if isinstance(exc, SSLError) and "CERTIFICATE_VERIFY_FAILED" in str(exc):
+            # Before the outage branch (botocore's SSLError is a ConnectionError): the wrong CA is no outage.
+            return BlobStoreUntrusted(endpoint, str(exc), self.settings.ca_file)
         if isinstance(exc, ClientError):
             code = str(exc.response.get("Error", {}).get("Code", ""))
             if code in _NOT_FOUND:
