@@ -147,6 +147,7 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
         if isinstance(exc, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in text:
             watch.untrusted_reason = text
             watch.untrusted_server.set()
+            log.error("the log's TLS certificate does not verify", error=text, ca_file=str(settings.tls_ca_file))
             return
         if _refuses_identity(text):
             watch.refuse_identity(text)
