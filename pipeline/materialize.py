@@ -863,13 +863,14 @@ class Materializer:
         the part is given up (and set aside with backoff by the caller)."""
         for attempt in (1, 2):
             try:
-                # No more than the signed pointer says: a swapped blob cannot fill the disk before it fails.
+                # No more than the pointer says (the blob whose digest is signed has that length): a swapped
+                # blob cannot fill the disk before its checksum fails.
                 ref = self.blobs.get_to_file(blob.uri, path, expected=blob.sha256, max_bytes=blob.bytes)
                 return ref.bytes
             except BlobIntegrityError as exc:
                 if attempt == 2:
                     if isinstance(exc, BlobTooLarge):
-                        reason = f"{blob.uri} is larger than its signed {blob.bytes} bytes after a refetch"
+                        reason = f"{blob.uri} is larger than the {blob.bytes} bytes its version names, after a refetch"
                     else:
                         reason = f"{blob.uri} is corrupt after a refetch (sha256 {exc.actual}, expected {exc.expected})"
                     self._refuse_blob(blob, edge, start, reason)
