@@ -174,8 +174,6 @@ async def connect_nats(settings: NatsSettings, name: str) -> NATS:
         await _connect_unless_refused(
             nc, watch, bound_s, settings.tls_ca_file, error_cb=on_error, **callbacks, **options
         )
-    except LogServerUntrusted:
-        raise
     except LogConnectTimedOut as exc:
         raise LogUnavailable(
             f"connecting to {settings.url} (not connected after {bound_s:.0f}s)",
